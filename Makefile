@@ -1,0 +1,30 @@
+# `make run` and `make test` set up .venv on first use (a few minutes), then do nothing more for it.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+CONFIG  ?= configs/tiny.yaml
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
+
+.PHONY: run test setup bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	.venv/bin/gptforge run -c $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/tokenize.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,181 @@
+"""Format adapters: raw rows -> one normalised shape per kind.
+
+- text:       str (pretraining)
+- messages:   {"messages": [{"role": "system|user|assistant", "content": str}, ...]}
+              from Alpaca (instruction/input/output), ShareGPT (conversations from/value) or OpenAI messages
+- preference: {"prompt": [messages...], "chosen": str, "rejected": str}
+              from flat prompt/chosen/rejected strings, UltraFeedback-style message lists, or
+              Anthropic HH full transcripts ("\\n\\nHuman: ... \\n\\nAssistant: ...")
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from data.sources import Row
+from pipeline.errors import DataError
+
+
+class BadRow(ValueError):
+    """A row that cannot be normalised; the message says why."""
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+ROLES = ("system", "user", "assistant")
+
+
+def _str(row: dict, key: str) -> str:
+    if key not in row:
+        raise BadRow(f"missing field {key!r}")
+    v = row[key]
+    if not isinstance(v, str):
+        raise BadRow(f"field {key!r} should be a string, got {type(v).__name__}")
+    return v
+
+
+def to_text(value, text_field: str = "text") -> str:
+    text = value if isinstance(value, str) else _str(value, text_field) if isinstance(value, dict) else None
+    if text is None:
+        raise BadRow(f"expected a string or an object with {text_field!r}, got {type(value).__name__}")
+    if not text.strip():
+        raise BadRow("empty text")
+    return text
+
+
+def _check_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRow("messages should be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRow(f"message {i} should be an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise BadRow(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise BadRow(f"message {i} content should be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def to_messages(value) -> dict:
+    """Alpaca, ShareGPT or OpenAI messages -> {"messages": [...]}."""
+    if not isinstance(value, dict):
+        raise BadRow(f"expected an object, got {type(value).__name__}")
+    if "messages" in value:
+        messages = _check_messages(value["messages"])
+    elif "conversations" in value:
+        conv = value["conversations"]
+        if not isinstance(conv, list) or not conv:
+            raise BadRow("conversations should be a non-empty list")
+        messages = []
+        for i, turn in enumerate(conv):
+            if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES:
+                raise BadRow(f"conversation turn {i} needs 'from' in {', '.join(SHAREGPT_ROLES)}")
+            if not isinstance(turn.get("value"), str):
+                raise BadRow(f"conversation turn {i} needs a string 'value'")
+            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+    elif "instruction" in value:
+        instruction = _str(value, "instruction")
+        extra = value.get("input") or ""
+        if not isinstance(extra, str):
+            raise BadRow("field 'input' should be a string")
+        prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": _str(value, "output")}]
+        if isinstance(value.get("system"), str) and value["system"].strip():
+            messages.insert(0, {"role": "system", "content": value["system"]})
+    else:
+        raise BadRow("no 'messages', 'conversations' or 'instruction' field")
+    if not any(m["content"].strip() for m in messages):
+        raise BadRow("empty conversation")
+    return {"messages": messages}
+
+
+HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+def parse_hh(transcript: str) -> list[dict]:
+    """'\\n\\nHuman: hi\\n\\nAssistant: hello' -> [{"role": "user", ...}, {"role": "assistant", ...}]."""
+    parts = HH_TURN.split("\n\n" + transcript.lstrip("\n"))
+    if len(parts) < 3 or parts[0].strip():
+        raise BadRow("not an HH transcript ('\\n\\nHuman: ... \\n\\nAssistant: ...')")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[r], "content": c.strip()} for r, c in zip(parts[1::2], parts[2::2])]
+
+
+def _split_last_assistant(messages: list[dict], what: str) -> tuple[list[dict], str]:
+    if messages[-1]["role"] != "assistant":
+        raise BadRow(f"{what} does not end with an assistant turn")
+    return messages[:-1], messages[-1]["content"]
+
+
+def to_pair(value) -> dict:
+    """Preference pair -> {"prompt": [messages], "chosen": str, "rejected": str}."""
+    if not isinstance(value, dict):
+        raise BadRow(f"expected an object, got {type(value).__name__}")
+    for key in ("chosen", "rejected"):
+        if key not in value:
+            raise BadRow(f"missing field {key!r}")
+    chosen, rejected = value["chosen"], value["rejected"]
+    if isinstance(chosen, list) and isinstance(rejected, list):  # UltraFeedback-style message lists
+        c_prompt, c = _split_last_assistant(_check_messages(chosen), "chosen")
+        r_prompt, r = _split_last_assistant(_check_messages(rejected), "rejected")
+        prompt = c_prompt
+        if isinstance(value.get("prompt"), str) and not prompt:
+            prompt = [{"role": "user", "content": value["prompt"]}]
+        if c_prompt and r_prompt and c_prompt != r_prompt:
+            raise BadRow("chosen and rejected continue different conversations")
+    elif isinstance(chosen, str) and isinstance(rejected, str):
+        if "prompt" in value:
+            p = value["prompt"]
+            if isinstance(p, str):
+                prompt = [{"role": "user", "content": p}]
+            else:
+                prompt = _check_messages(p)
+            c, r = chosen, rejected
+        else:  # Anthropic HH: two full transcripts sharing the prompt
+            c_msgs, r_msgs = parse_hh(chosen), parse_hh(rejected)
+            prompt, c = _split_last_assistant(c_msgs, "chosen")
+            r_prompt, r = _split_last_assistant(r_msgs, "rejected")
+            if prompt != r_prompt:
+                raise BadRow("chosen and rejected transcripts have different prompts")
+    else:
+        raise BadRow("chosen and rejected should both be strings or both message lists")
+    if not prompt:
+        raise BadRow("no prompt")
+    if not c.strip() or not r.strip():
+        raise BadRow("empty chosen or rejected response")
+    return {"prompt": prompt, "chosen": c, "rejected": r}
+
+
+@dataclass
+class Normalised:
+    items: list = field(default_factory=list)
+    bad_rows: int = 0
+
+
+def normalise(rows: Iterable[Row], adapt: Callable, on_bad_row: str, what: str, max_warnings: int = 5) -> Normalised:
+    """Apply an adapter to every row; a bad row is skipped and counted, or fails, naming file:line."""
+    out = Normalised()
+    for row in rows:
+        reason = row.error
+        if reason is None:
+            try:
+                out.items.append(adapt(row.value))
+                continue
+            except BadRow as e:
+                reason = str(e)
+        if on_bad_row == "fail":
+            raise DataError(f"{row.where}: bad {what} row: {reason} (data.on_bad_row=fail)")
+        out.bad_rows += 1
+        if out.bad_rows <= max_warnings:
+            print(f"warning: {row.where}: skipped bad {what} row: {reason}", file=sys.stderr)
+    if out.bad_rows > max_warnings:
+        print(f"warning: skipped {out.bad_rows} bad {what} rows in all", file=sys.stderr)
+    if not out.items:
+        raise DataError(f"no usable {what} rows after filtering ({out.bad_rows} bad rows skipped)")
+    return out

@@ -1,0 +1,157 @@
+"""Built-in demo data: deterministic, seeded, no download, with verifiable answers.
+
+Five tasks graded from easy to hard, phrased as natural text:
+  repeat  "Repeat the word cat twice."           -> "cat cat"
+  succ    "What number comes after 41?"          -> "42"
+  max     "Which is larger, 37 or 52?"           -> "52"
+  add1    "What is 3 plus 5?"                    -> "8"
+  add2    "What is 23 plus 45?"                  -> "68"
+
+Each item has a key (task and operands). A fixed hash of the key puts about one key in ten in the
+held-out set, whatever the seed or the sizes: held-out keys never appear in the pretraining corpus,
+the conversations or the preference pairs, so every stage's effect is measured on unseen items.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+GENERATOR_VERSION = 1
+
+WORDS = ("cat dog sun red blue tree book fish bird car hat cup box pen map egg king moon star ship "
+         "rain snow wind fire milk bread apple green door road lamp bell ring rose sand song "
+         "wolf bear frog duck lion horse cake salt gold iron").split()
+TASKS = ("repeat", "succ", "max", "add1", "add2")
+# Sampling weights: harder tasks get more examples.
+WEIGHTS = {"repeat": 1, "succ": 1, "max": 2, "add1": 2, "add2": 4}
+
+
+@dataclass(frozen=True)
+class Item:
+    task: str
+    args: tuple
+    question: str
+    answer: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}:{','.join(map(str, self.args))}"
+
+
+def make_item(task: str, args: tuple) -> Item:
+    if task == "repeat":
+        (w,) = args
+        return Item(task, args, f"Repeat the word {w} twice.", f"{w} {w}")
+    if task == "succ":
+        (n,) = args
+        return Item(task, args, f"What number comes after {n}?", str(n + 1))
+    if task == "max":
+        a, b = args
+        return Item(task, args, f"Which is larger, {a} or {b}?", str(max(a, b)))
+    a, b = args
+    return Item(task, args, f"What is {a} plus {b}?", str(a + b))
+
+
+def all_keys(task: str) -> list[tuple]:
+    if task == "repeat":
+        return [(w,) for w in WORDS]
+    if task == "succ":
+        return [(n,) for n in range(99)]
+    if task == "max":
+        return [(a, b) for a in range(100) for b in range(100) if a != b]
+    if task == "add1":
+        return [(a, b) for a in range(10) for b in range(10)]
+    return [(a, b) for a in range(10, 100) for b in range(10, 100)]
+
+
+def is_held_out(item: Item) -> bool:
+    """About 10% of keys, fixed by a hash of the key alone (independent of seed and sizes)."""
+    return int(hashlib.sha256(item.key.encode()).hexdigest()[:8], 16) % 10 == 0
+
+
+def _pools() -> tuple[dict, dict]:
+    train, held = {}, {}
+    for task in TASKS:
+        items = [make_item(task, k) for k in all_keys(task)]
+        held[task] = [it for it in items if is_held_out(it)]
+        train[task] = [it for it in items if not is_held_out(it)]
+    return train, held
+
+
+def _sentence(item: Item, rng: random.Random) -> str:
+    """A pretraining document stating one fact, in one of several phrasings."""
+    q, a, args = item.question, item.answer, item.args
+    styles = [f"Question: {q} Answer: {a}", f"Q: {q}\nA: {a}"]
+    if item.task == "repeat":
+        styles.append(f"The word {args[0]} said twice is {a}.")
+    elif item.task == "succ":
+        styles.append(f"The number after {args[0]} is {a}.")
+        styles.append(f"{args[0]}, {a}.")
+    elif item.task == "max":
+        styles.append(f"{a} is larger than {min(args)}.")
+        styles.append(f"Between {args[0]} and {args[1]}, the larger is {a}.")
+    else:
+        styles.append(f"{args[0]} plus {args[1]} is {a}.")
+        styles.append(f"{args[0]} + {args[1]} = {a}")
+    return rng.choice(styles)
+
+
+def _wrong_answer(item: Item, rng: random.Random) -> str:
+    """A plausible wrong answer: off by a small amount, the smaller number, or a different word."""
+    if item.task == "repeat":
+        other = rng.choice([w for w in WORDS if w != item.args[0]])
+        return rng.choice([item.args[0], f"{other} {other}", f"{item.args[0]} {other}"])
+    if item.task == "max":
+        return str(min(item.args))
+    right = int(item.answer)
+    delta = rng.choice([-10, -2, -1, 1, 2, 10])
+    wrong = right + delta if right + delta >= 0 else right + abs(delta)
+    return str(wrong)
+
+
+@dataclass
+class DemoData:
+    pretrain: list[str] = field(default_factory=list)
+    sft: list[dict] = field(default_factory=list)
+    preference: list[dict] = field(default_factory=list)
+    eval: list[dict] = field(default_factory=list)  # {"task", "prompt": [messages], "answer"}
+
+
+def _draw(pool: dict, n: int, rng: random.Random) -> list[Item]:
+    tasks = list(TASKS)
+    weights = [WEIGHTS[t] for t in tasks]
+    return [rng.choice(pool[t]) for t in rng.choices(tasks, weights, k=n)]
+
+
+def generate(seed: int = 0, pretrain_docs: int = 20000, sft_items: int = 3000,
+             preference_pairs: int = 2000, eval_items: int = 200) -> DemoData:
+    """Generate the demo data; the same arguments always give the same data."""
+    train, held = _pools()
+    out = DemoData()
+    rng = random.Random(f"pretrain-{seed}")
+    out.pretrain = [_sentence(it, rng) for it in _draw(train, pretrain_docs, rng)]
+    rng = random.Random(f"sft-{seed}")
+    out.sft = [{"messages": [{"role": "user", "content": it.question},
+                             {"role": "assistant", "content": it.answer}]}
+               for it in _draw(train, sft_items, rng)]
+    rng = random.Random(f"preference-{seed}")
+    for it in _draw(train, preference_pairs, rng):
+        out.preference.append({"prompt": [{"role": "user", "content": it.question}],
+                               "chosen": it.answer, "rejected": _wrong_answer(it, rng)})
+    # Held-out items: round-robin over tasks, each task's held-out keys in a seeded order.
+    rng = random.Random(f"eval-{seed}")
+    queues = {t: rng.sample(held[t], len(held[t])) for t in TASKS}
+    while len(out.eval) < eval_items and any(queues.values()):
+        for t in TASKS:
+            if queues[t] and len(out.eval) < eval_items:
+                it = queues[t].pop()
+                out.eval.append({"task": t, "prompt": [{"role": "user", "content": it.question}],
+                                 "answer": it.answer})
+    return out
+
+
+def from_settings(demo) -> DemoData:
+    """Generate from a `data.demo` config section."""
+    return generate(demo.seed, demo.pretrain_docs, demo.sft_items, demo.preference_pairs, demo.eval_items)

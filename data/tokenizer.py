@@ -1,0 +1,60 @@
+"""Byte-level BPE training with `tokenizers`, and saving as Hugging Face files with a chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeline.errors import ConfigError
+
+# ChatML with {% generation %} markers, so `return_assistant_tokens_mask=True` gives the
+# assistant-only loss mask. START/END are replaced by the configured special tokens.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- 'START' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + 'END' }}{%- endgeneration %}"
+    "{%- else %}{{- message['content'] + 'END' }}{%- endif %}"
+    "{{- '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'START' + 'assistant\\n' }}{%- endif %}"
+)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, special_tokens: list[str]) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 pre-tokenization: digit runs, words and spaces split apart)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer, length=None)
+    return tok
+
+
+def save_hf(tok: Tokenizer, out_dir: Path, special_tokens: list[str], model_max_length: int) -> None:
+    """Save as Hugging Face tokenizer files that `AutoTokenizer.from_pretrained` loads without gptforge."""
+    from transformers import PreTrainedTokenizerFast
+
+    eos, start, end = special_tokens[0], special_tokens[1], special_tokens[2]
+    pad = special_tokens[3] if len(special_tokens) > 3 else eos
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=pad, unk_token=None,
+        model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        additional_special_tokens=[t for t in special_tokens if t not in (eos, pad)])
+    hf.chat_template = CHAT_TEMPLATE.replace("START", start).replace("END", end)
+    hf.save_pretrained(out_dir)
+
+
+def load_pretrained(name_or_path: str, out_dir: Path):
+    """Load an existing tokenizer (hub name or local dir), save a copy in out_dir; return its backend."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
+    if not hf.is_fast:
+        raise ConfigError(f"tokenizer.pretrained={name_or_path}: this tokenizer has no fast (Rust) version")
+    hf.save_pretrained(out_dir)
+    return hf.backend_tokenizer, hf.eos_token_id

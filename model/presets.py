@@ -1,0 +1,60 @@
+"""Model presets: GPT-2 family, GPT-3 family (Brown et al. 2020, Table 2.1), Llama-style, and `tiny`.
+
+A preset is a plain dict of architecture fields; `model.build` turns it into a `transformers` config.
+"""
+
+from dataclasses import dataclass, asdict, replace
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Architecture of a decoder-only transformer."""
+
+    family: str  # "gpt2" (learned positions, LayerNorm, GELU) or "llama" (RoPE, RMSNorm, SwiGLU, GQA)
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_positions: int
+    vocab_size: int = 50257
+    n_kv_head: int | None = None  # llama only; None means n_head (no grouping)
+    intermediate_size: int | None = None  # MLP width; None means 4*n_embd (gpt2) or ~8/3*n_embd (llama)
+
+    def with_overrides(self, **overrides) -> "Arch":
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gpt3(n_layer, n_embd, n_head):
+    return Arch("gpt2", n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=2048)
+
+
+PRESETS: dict[str, Arch] = {
+    # CPU-sized: ~0.8M parameters with a 512-token vocabulary.
+    "tiny": Arch("gpt2", n_layer=4, n_head=4, n_embd=128, n_positions=128, vocab_size=512),
+    "llama-tiny": Arch("llama", n_layer=4, n_head=4, n_embd=128, n_positions=128, vocab_size=512,
+                       n_kv_head=2, intermediate_size=352),
+    # GPT-2 (Radford et al. 2019), context 1024.
+    "gpt2-124m": Arch("gpt2", n_layer=12, n_head=12, n_embd=768, n_positions=1024),
+    "gpt2-350m": Arch("gpt2", n_layer=24, n_head=16, n_embd=1024, n_positions=1024),
+    "gpt2-774m": Arch("gpt2", n_layer=36, n_head=20, n_embd=1280, n_positions=1024),
+    "gpt2-1.5b": Arch("gpt2", n_layer=48, n_head=25, n_embd=1600, n_positions=1024),
+    # GPT-3 Table 2.1, context 2048. The table's XL (24 heads of 128 for d_model 2048) and 13B
+    # (d_model 5140) rows do not divide; we keep d_model and head size 128 where they can hold.
+    "gpt3-small": _gpt3(12, 768, 12),
+    "gpt3-medium": _gpt3(24, 1024, 16),
+    "gpt3-large": _gpt3(24, 1536, 16),
+    "gpt3-xl": _gpt3(24, 2048, 16),
+    "gpt3-2.7b": _gpt3(32, 2560, 32),
+    "gpt3-6.7b": _gpt3(32, 4096, 32),
+    "gpt3-13b": _gpt3(40, 5120, 40),
+    "gpt3-175b": _gpt3(96, 12288, 96),
+    # Llama-style (Touvron et al. 2023 shapes), vocab 32000, context 2048/4096.
+    "llama-160m": Arch("llama", n_layer=12, n_head=12, n_embd=768, n_positions=2048, vocab_size=32000,
+                       n_kv_head=4, intermediate_size=2048),
+    "llama-1b": Arch("llama", n_layer=16, n_head=32, n_embd=2048, n_positions=2048, vocab_size=32000,
+                     n_kv_head=8, intermediate_size=8192),
+    "llama-7b": Arch("llama", n_layer=32, n_head=32, n_embd=4096, n_positions=4096, vocab_size=32000,
+                     n_kv_head=32, intermediate_size=11008),
+}
