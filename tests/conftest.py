@@ -1,0 +1,41 @@
+"""Shared fixtures: no network, small configs in tmp_path, one Prefect test server per session."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from pipeline.config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+SMALL = [
+    "data.demo.pretrain_docs=1500", "data.demo.sft_items=200", "data.demo.preference_pairs=200",
+    "data.demo.eval_items=40", "tokenizer.vocab_size=320", "tokenizer.num_workers=2",
+]
+
+
+@pytest.fixture
+def small_cfg(tmp_path):
+    """A fast tiny pipeline config rooted in tmp_path; extra overrides as arguments."""
+
+    def make(*overrides):
+        return load_config(TINY, [f"run.root={tmp_path / 'runs'}", *SMALL, *overrides])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

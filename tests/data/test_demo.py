@@ -1,0 +1,29 @@
+from data.demo import TASKS, generate, is_held_out, make_item
+
+
+def test_deterministic():
+    a, b = generate(seed=3, pretrain_docs=500), generate(seed=3, pretrain_docs=500)
+    assert a.pretrain == b.pretrain and a.sft == b.sft and a.preference == b.preference and a.eval == b.eval
+    assert generate(seed=4, pretrain_docs=500).pretrain != a.pretrain
+
+
+def test_held_out_items_never_in_training_data():
+    data = generate(seed=0, pretrain_docs=20000, sft_items=3000, preference_pairs=2000, eval_items=200)
+    assert len(data.eval) == 200
+    assert {it["task"] for it in data.eval} == set(TASKS)
+    questions = {it["prompt"][0]["content"] for it in data.eval}
+    train_questions = {c["messages"][0]["content"] for c in data.sft}
+    train_questions |= {p["prompt"][0]["content"] for p in data.preference}
+    assert not questions & train_questions
+    corpus = "\n".join(data.pretrain)
+    # Every phrasing of a training document contains the question or the operands of its item;
+    # the question texts of held-out items never occur.
+    assert not any(q in corpus for q in questions)
+
+
+def test_items_have_verifiable_answers_and_wrong_rejections():
+    assert make_item("add2", (23, 45)).answer == "68"
+    assert make_item("max", (37, 52)).answer == "52"
+    data = generate(seed=0, preference_pairs=300)
+    assert all(p["chosen"] != p["rejected"] for p in data.preference)
+    assert sum(is_held_out(make_item("add2", (a, b))) for a in range(10, 100) for b in range(10, 100)) > 500

@@ -1,0 +1,59 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
+
+from tests.conftest import ROOT, TINY
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_yaml_loads(path):
+    cfg = load_config(path)
+    assert cfg.run.name
+
+
+def test_overrides_are_typed():
+    cfg = load_config(TINY, ["pretrain.lr=3e-4", "model.n_layer=2", "data.on_bad_row=fail"])
+    assert cfg.pretrain.lr == pytest.approx(3e-4)
+    assert cfg.model.arch().n_layer == 2
+    assert cfg.data.on_bad_row == "fail"
+
+
+def test_unknown_key_names_the_closest_valid_key():
+    with pytest.raises(ConfigError, match=r"unknown key pretrain\.lrr; did you mean pretrain\.lr\?"):
+        load_config(TINY, ["pretrain.lrr=1"])
+    with pytest.raises(ConfigError, match=r"unknown key tokenizr; did you mean tokenizer\?"):
+        load_config(TINY, ["tokenizr.vocab_size=1"])
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"pretrain\.max_steps"):
+        load_config(TINY, ["pretrain.max_steps=lots"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.n_embd=100", "model.n_head=3"], r"model: n_embd=100 is not divisible by n_head=3"),
+    (["pretrain.global_batch_size=30"], r"global_batch_size=30 is not divisible"),
+    (["pretrain.enabled=false"], r"sft.enabled is true but its input stage pretrain is disabled"),
+    (["tokenizer.vocab_size=100"], r"vocab_size=100 is smaller than the byte alphabet"),
+    (["pretrain.seq_len=4096"], r"exceeds the model context"),
+    (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
+])
+def test_impossible_combinations(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_config_errors_exit_2_before_anything_starts(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(TINY).read_text() + "\nfoo: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "-c", str(bad),
+                           "--set", f"run.root={tmp_path / 'runs'}"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "unknown key foo" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()

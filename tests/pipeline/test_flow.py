@@ -1,0 +1,50 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import dump_config
+from pipeline.flow import pipeline_flow
+
+from tests.conftest import ROOT
+
+
+def write_cfg(cfg, tmp_path):
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(dump_config(cfg))
+    return str(path)
+
+
+def test_flow_runs_then_reuses(prefect_server, small_cfg, tmp_path):
+    cfg = small_cfg()
+    path = write_cfg(cfg, tmp_path)
+    first = pipeline_flow(config_path=path)
+    record = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+    assert record["stages"]["tokenize"]["action"] == "computed"
+    assert record["stages"]["tokenize"]["status"] == "complete"
+    second = pipeline_flow(config_path=path)
+    record = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+    assert record["stages"]["tokenize"]["action"] == "reused"
+    assert first == second and first["tokenize"]["tokens"] > 0
+    # --from recomputes
+    pipeline_flow(config_path=path, from_stage="tokenize")
+    record = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+    assert record["stages"]["tokenize"]["action"] == "computed"
+
+
+def test_stage_command_without_prefect(small_cfg, tmp_path):
+    path = write_cfg(small_cfg(), tmp_path)
+    cmd = [sys.executable, "-m", "pipeline.cli", "stage", "tokenize", "-c", path]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert "reusing complete output" in again.stdout
+
+
+def test_missing_data_file_is_one_line(small_cfg, tmp_path):
+    path = write_cfg(small_cfg(f"data.pretrain={tmp_path / 'missing.txt'}"), tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "stages.tokenize", "--config", path],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: file not found: {tmp_path / 'missing.txt'}"

@@ -1,0 +1,95 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.entry import execute, locate
+from pipeline.errors import InputError
+from pipeline.store import fingerprints, read_manifest, write_json_atomic
+
+from tests.conftest import ROOT
+
+
+def test_same_config_same_fingerprint(small_cfg):
+    assert fingerprints(small_cfg()) == fingerprints(small_cfg())
+
+
+def test_change_propagates_downstream_only(small_cfg):
+    base = fingerprints(small_cfg())
+    sft = fingerprints(small_cfg("sft.lr=1e-4"))
+    assert [s for s in base if base[s] != sft[s]] == ["sft", "reward", "dpo"]
+    tok = fingerprints(small_cfg("tokenizer.vocab_size=300"))
+    assert all(base[s] != tok[s] for s in base)
+
+
+def test_changed_data_file_changes_its_stage_and_downstream(small_cfg, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one line\nanother line\n")
+    before = fingerprints(small_cfg(f"data.pretrain={corpus}"))
+    corpus.write_text("one line\nanother, changed line\n")
+    after = fingerprints(small_cfg(f"data.pretrain={corpus}"))
+    assert all(before[s] != after[s] for s in before)
+    # SFT data changes: tokenize and pretrain keep their outputs
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"instruction": "hi", "output": "hello"}\n')
+    base = fingerprints(small_cfg())
+    new = fingerprints(small_cfg(f"data.sft={chat}"))
+    assert [s for s in base if base[s] != new[s]] == ["sft", "reward", "dpo"]
+
+
+def test_atomic_json_leaves_no_temp_files(tmp_path):
+    write_json_atomic(tmp_path / "a.json", {"x": 1})
+    write_json_atomic(tmp_path / "a.json", {"x": 2})
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+KILLED_STAGE = """
+import os, signal, sys
+from pipeline.config import load_config
+from pipeline.entry import execute
+
+def run(cfg, inputs, out_dir):
+    (out_dir / "shards").mkdir()
+    (out_dir / "shards" / "index.json").write_text("{}")
+    os.kill(os.getpid(), signal.SIGKILL)  # dies before the manifest is written
+
+execute(load_config(sys.argv[1], sys.argv[2:]), "tokenize", run, {"shards": "shards"})
+"""
+
+
+def test_stage_killed_before_manifest_is_never_consumed(small_cfg, tmp_path):
+    cfg = small_cfg()
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
+    proc = subprocess.run([sys.executable, "-c", KILLED_STAGE, str(cfg_path)], cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    out_dir, _, _ = locate(cfg, "tokenize")
+    assert (out_dir / "shards" / "index.json").exists()
+    assert read_manifest(out_dir) is None
+    with pytest.raises(InputError, match="needs a complete tokenize output"):
+        execute(cfg, "pretrain", lambda *a: pytest.fail("must not run"), {})
+
+
+def test_corrupted_output_is_not_complete(small_cfg):
+    cfg = small_cfg()
+
+    def run(cfg, inputs, out_dir):
+        (out_dir / "model").mkdir()
+        (out_dir / "model" / "weights.bin").write_bytes(b"abc")
+        return {"loss": 1.0}
+
+    manifest = execute(cfg, "tokenize", run, {"model": "model"})
+    out_dir = locate(cfg, "tokenize")[0]
+    assert set(manifest) >= {"stage", "fingerprint", "status", "config", "inputs", "outputs", "metrics", "files",
+                             "started_at", "finished_at", "world_size", "versions"}
+    assert read_manifest(out_dir)["metrics"] == {"loss": 1.0}
+    # a second execute reuses instead of running
+    assert execute(cfg, "tokenize", lambda *a: pytest.fail("must reuse"), {"model": "model"})["status"] == "complete"
+    (out_dir / "model" / "weights.bin").write_bytes(b"abd")
+    assert read_manifest(out_dir) is None
+    os.remove(out_dir / "model" / "weights.bin")
+    assert read_manifest(out_dir) is None

@@ -1,0 +1,71 @@
+import json
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from data.shards import ShardWriter, dtype_for, load_split, read_index
+from pipeline.entry import execute
+from stages import tokenize
+
+MIXED = ["Hello world, 23 plus 45 is 68.", "你好，世界！中文文本。", "emoji 🙂🚀 and ünïcödé",
+         "tabs\tand  double  spaces", "العربية والعبرية עברית"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    rows = [{"text": MIXED[i % len(MIXED)] + f" doc {i}"} for i in range(400)]
+    path = tmp_path / "corpus.jsonl"
+    with open(path, "w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            if i == 10:
+                f.write('{"text": 5}\n')  # bad row at line 12
+    return path, [r["text"] for r in rows]
+
+
+def test_tokenize_stage_end_to_end(small_cfg, corpus, capsys):
+    path, docs = corpus
+    cfg = small_cfg(f"data.pretrain={path}", "tokenizer.shard_tokens=2000")
+    manifest = execute(cfg, "tokenize", tokenize.run, tokenize.OUTPUTS)
+    out_dir = path.parent / "runs" / "store" / "tokenize" / manifest["fingerprint"][:16]
+    m = manifest["metrics"]
+    assert m["bad_rows"] == 1 and f"{path}:12" in capsys.readouterr().err
+    assert m["vocab_size"] == 320 and m["tokens"] == m["train_tokens"] + m["val_tokens"] > 0
+    assert m["bytes"] == sum(len(d.encode()) for d in docs) and m["tokens_per_sec"] > 0
+
+    tok = AutoTokenizer.from_pretrained(out_dir / "tokenizer")
+    for text in MIXED:
+        assert tok.decode(tok(text)["input_ids"]) == text
+
+    index = read_index(out_dir / "shards")
+    assert index["dtype"] == "uint16" and len(index["splits"]["train"]) > 1  # several shards
+    train = load_split(out_dir / "shards", "train")
+    eos = index["eos_id"]
+    decoded, start = [], 0
+    for i in np.flatnonzero(train == eos):
+        decoded.append(tok.decode(train[start:i].tolist()))
+        start = i + 1
+    split = tokenize.split_docs(docs, cfg.tokenizer.val_fraction)
+    assert decoded == split["train"]
+    assert not set(split["val"]) & set(split["train"])
+
+
+def test_chat_template_marks_assistant_tokens(small_cfg):
+    cfg = small_cfg()
+    manifest = execute(cfg, "tokenize", tokenize.run, tokenize.OUTPUTS)
+    tok = AutoTokenizer.from_pretrained(
+        f"{cfg.run.root}/store/tokenize/{manifest['fingerprint'][:16]}/tokenizer")
+    msgs = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
+    out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    marked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    assert tok.decode(marked) == "5<|im_end|>"
+
+
+def test_dtype_and_shard_rollover(tmp_path):
+    assert dtype_for(65536) == np.uint16 and dtype_for(65537) == np.uint32
+    w = ShardWriter(tmp_path, "train", np.uint32, shard_tokens=5)
+    w.write(np.arange(12, dtype=np.int64))
+    w.close()
+    assert [s["tokens"] for s in w.shards] == [5, 5, 2]
+    assert np.fromfile(tmp_path / "train-00002.bin", dtype=np.uint32).tolist() == [10, 11]
