@@ -118,3 +118,11 @@ def load_split(shard_dir: Path, split: str) -> np.ndarray:
     arrays = [np.memmap(shard_dir / s["file"], dtype=index["dtype"], mode="r")
               for s in index["splits"][split] if s["tokens"]]
     return np.concatenate(arrays) if len(arrays) > 1 else np.asarray(arrays[0])
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy of the token frequency distribution, in nats per token: the loss of a model that
+    ignores context. A language model must go below it to have learned anything about order."""
+    counts = np.bincount(tokens.astype(np.int64))
+    p = counts[counts > 0] / len(tokens)
+    return float(-(p * np.log(p)).sum())

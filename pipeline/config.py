@@ -105,6 +105,12 @@ class DistributedSection(Section):
     activation_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto: bf16 on GPUs, fp32 on the CPU.")
 
+    @model_validator(mode="after")
+    def _offload_needs_zero(self):
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
+        return self
+
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes

@@ -18,11 +18,11 @@ from prefect.cache_policies import NO_CACHE
 from pipeline.config import PipelineConfig, dump_config, load_config, pipeline_stages
 from pipeline.entry import locate
 from pipeline.errors import UserError
-from pipeline.launch import run_streaming, stage_command
+from pipeline.launch import run_streaming, stage_command, stage_env
 from pipeline.store import RunRecord, now, read_manifest
 
 # Stages implemented so far, in pipeline order.
-IMPLEMENTED = ("tokenize",)
+IMPLEMENTED = ("tokenize", "pretrain")
 
 
 class StageFailed(UserError):
@@ -56,7 +56,7 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
     cmd = stage_command(cfg, stage, config_path)
     log(f"{stage}: {'resuming' if action == 'resumed' else 'running'} -> {out_dir}")
     with stage_lock(out_dir):
-        rc = run_streaming(cmd, log)
+        rc = run_streaming(cmd, log, env=stage_env())
     manifest = read_manifest(out_dir)
     if rc != 0 or manifest is None:
         record.update(stage, status="failed", finished_at=now())

@@ -48,7 +48,15 @@ def stage_command(cfg: PipelineConfig, stage: str, config_path: Path) -> list[st
             cmd += ["--hostfile", d.hostfile, "--master_addr", d.master_addr]
         else:
             cmd += ["--num_nodes", "1", "--num_gpus", str(d.nproc_per_node)]
+        return [*cmd, "--module", module, *args]
     return [*cmd, "-m", module, *args]
+
+
+def stage_env() -> dict[str, str]:
+    """Environment for stage processes: DeepSpeed's CPU accelerator where there is no GPU."""
+    import torch
+
+    return {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
 
 
 _PROGRESS = re.compile(r"\d+%\|")

@@ -1,0 +1,159 @@
+"""Pretrain stage: a GPT trained from scratch on the token shards under DeepSpeed ZeRO.
+
+    deepspeed --num_gpus 2 -m stages.pretrain --config configs/tiny.yaml     (or torchrun, accelerate)
+
+Resumes from its newest valid step checkpoint; exports a Hugging Face model directory `model/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from data.loader import TokenWindows, eval_batches
+from data.shards import load_split, read_index, unigram_entropy
+from model import train as T
+from model.build import build_model, count_params, flops_per_token, peak_flops
+from model.losses import causal_lm_loss
+from pipeline.config import PipelineConfig
+from pipeline.entry import stage_main
+from pipeline.errors import DataError, UserError
+
+OUTPUTS = {"model": "model"}
+
+
+def load_data(tok_dir: Path, shard_dir: Path):
+    """Tokenizer and train/val token arrays, checked to belong together."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    index = read_index(shard_dir)
+    train, val = load_split(shard_dir, "train"), load_split(shard_dir, "val")
+    if index["vocab_size"] != len(tokenizer) or int(train.max()) >= len(tokenizer):
+        raise DataError(f"token shards in {shard_dir} (vocab {index['vocab_size']}, max id {int(train.max())}) "
+                        f"were not made by the tokenizer in {tok_dir} (vocab {len(tokenizer)})")
+    return tokenizer, train, val
+
+
+@torch.no_grad()
+def evaluate(engine, val, pc, rank, world, device) -> float:
+    engine.eval()
+    losses = [causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device)).item()
+              for x, y in eval_batches(val, pc.seq_len, pc.micro_batch_size, pc.eval_batches, rank, world)]
+    engine.train()
+    return T.all_mean(sum(losses) / len(losses), device)
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
+    import deepspeed
+
+    pc, dist = cfg.pretrain, cfg.distributed
+    rank, world, device = T.setup_distributed()
+    tokenizer, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer", inputs["tokenize"] / "shards")
+    arch = cfg.model.arch()
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(arch, len(tokenizer), cfg.model.dropout, tokens={
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id})
+    if dist.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    n_params = count_params(model)
+    ds_config = T.deepspeed_config(dist, pc, world, device)
+    grad_accum = ds_config["gradient_accumulation_steps"]
+    try:
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=T.param_groups(model, pc.weight_decay), config=ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, T.warmup_cosine(pc)))
+    except torch.OutOfMemoryError as e:
+        raise UserError(T.startup_oom_message(dist, pc, e)) from None
+    loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
+
+    step, ckpt_root = 0, out_dir / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    ckpt = T.newest_valid_checkpoint(ckpt_root, rank)
+    if ckpt is not None:
+        state = T.load_step(engine, ckpt, rank)
+        step = state["step"]
+        loader.load_state_dict(state["loader"])
+        if rank == 0:
+            print(f"[pretrain] resumed from {ckpt} at step {step}", flush=True)
+    log = T.MetricsLog(out_dir / "logs", rank, resume_step=step)
+
+    tokens_per_step = pc.global_batch_size * pc.seq_len
+    flops_tok, peak = flops_per_token(n_params, arch, pc.seq_len), peak_flops(device)
+    if rank == 0:
+        print(f"[pretrain] {n_params / 1e6:.2f}M parameters, world {world}, ZeRO-{dist.zero_stage}, "
+              f"grad accum {grad_accum}, {tokens_per_step} tokens/step, {pc.max_steps} steps", flush=True)
+    bar = tqdm(total=pc.max_steps, initial=step, desc="pretrain", file=sys.stderr, disable=rank != 0,
+               mininterval=2.0)
+    train_loss = val_loss = float("nan")
+    window_seconds = train_seconds = 0.0  # time in training steps only (not eval, not checkpoints)
+    steps_timed = 0
+
+    def mfu_of(tps: float) -> float | None:  # model FLOPs utilisation over all ranks
+        return flops_tok * tps / (peak * world) if peak else None
+
+    while step < pc.max_steps:
+        t0 = time.perf_counter()
+        step_loss = 0.0
+        for _ in range(grad_accum):
+            x, y = loader.next()  # (B, T), (B, T)
+            loss = causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device))
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
+            step_loss += loss.item() / grad_accum
+        step += 1
+        steps_timed += 1
+        dt = time.perf_counter() - t0
+        window_seconds += dt
+        train_seconds += dt
+        bar.update(1)
+        if step % pc.log_every == 0 or step == pc.max_steps:
+            train_loss = T.all_mean(step_loss, device)
+            tps = (step % pc.log_every or pc.log_every) * tokens_per_step / window_seconds
+            grad_norm = engine.get_global_grad_norm()
+            log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0],
+                    grad_norm=float(grad_norm) if grad_norm is not None else None,
+                    tokens_per_sec=tps, mfu=mfu_of(tps))
+            if rank == 0:
+                mfu = mfu_of(tps)
+                tqdm.write(f"step {step:6d} | loss {train_loss:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
+                           f"{tps:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{mfu:.1%}'}", file=sys.stderr)
+            window_seconds = 0.0
+        if step % pc.eval_every == 0 or step == pc.max_steps:
+            val_loss = evaluate(engine, val_tokens, pc, rank, world, device)
+            log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
+        if step % pc.save_every == 0 and step < pc.max_steps:
+            T.save_step(engine, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, pc.keep_last)
+    bar.close()
+    log.close()
+
+    tokens_per_sec = steps_timed * tokens_per_step / train_seconds if steps_timed else None
+    state_dict = T.full_state_dict(engine.module, dist.zero_stage, rank)
+    if rank == 0:
+        stop = [tokenizer.convert_tokens_to_ids(cfg.tokenizer.special_tokens[2]), tokenizer.eos_token_id]
+        T.export_hf(engine.module, state_dict, tokenizer, out_dir / "model", stop)
+    T.barrier()
+    return {"train_loss": round(train_loss, 6), "val_loss": round(val_loss, 6),
+            "val_ppl": round(float(torch.tensor(val_loss).exp()), 4),
+            "unigram_entropy": round(unigram_entropy(train_tokens), 6),
+            "tokens_per_sec": round(tokens_per_sec, 1) if tokens_per_sec else None,
+            "mfu": round(mfu_of(tokens_per_sec), 4) if tokens_per_sec and peak else None, "global_step": step, "parameters": n_params,
+            "flops_per_token": flops_tok}
+
+
+def main(argv=None) -> int:
+    # Launchers append --local_rank; the rank comes from the environment.
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
+    _, rest = parser.parse_known_args(argv)
+    return stage_main("pretrain", run, OUTPUTS, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
