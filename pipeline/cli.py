@@ -75,6 +75,33 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    else:
+        prompt = args.prompt
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    torch.manual_seed(args.seed)
+    sample = args.temperature > 0
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sample, use_cache=not args.no_cache,
+                             temperature=args.temperature if sample else None,
+                             top_k=args.top_k if sample else None, top_p=args.top_p if sample else None,
+                             num_return_sequences=args.num_samples)
+    for row in out:
+        print(prompt + tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=not args.show_special))
+    return 0
+
+
 def metrics_table(metrics: dict[str, dict]) -> str:
     """Markdown table: one row per stage, its final metrics as key=value."""
     rows = ["| stage | metrics |", "| --- | --- |"]
@@ -110,6 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("stage")
     config_args(s, required=True)
     s.set_defaults(func=cmd_stage)
+
+    gen = sub.add_parser("generate", help="sample from any stage's model directory")
+    gen.add_argument("model_dir")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--num-samples", type=int, default=1)
+    gen.add_argument("--no-cache", action="store_true", help="disable the KV cache")
+    gen.add_argument("--show-special", action="store_true", help="print special tokens")
+    gen.set_defaults(func=cmd_generate)
 
     st = sub.add_parser("status", help="what each stage of a run did, with its metrics")
     st.add_argument("run", nargs="?", help="run name (default: the latest)")

@@ -39,9 +39,12 @@ def stage_command(cfg: PipelineConfig, stage: str, config_path: Path) -> list[st
                f"--nnodes={d.nnodes}", f"--node_rank={d.node_rank}", f"--master_addr={d.master_addr}",
                f"--master_port={d.master_port}"]
     elif d.launcher == "accelerate":
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(d.world_size),
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+               "--zero_stage", str(d.zero_stage), "--num_processes", str(d.world_size),
                "--num_machines", str(d.nnodes), "--machine_rank", str(d.node_rank),
                "--main_process_ip", d.master_addr, "--main_process_port", str(d.master_port)]
+        if d.nnodes > 1:
+            cmd += ["--deepspeed_multinode_launcher", "standard"]
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(d.master_port)]
         if d.hostfile:

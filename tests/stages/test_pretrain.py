@@ -140,3 +140,9 @@ def test_shards_from_another_tokenizer_are_a_clear_error(zero2, tmp_path):
     (shards / "index.json").write_text(json.dumps(index))
     with pytest.raises(DataError, match="were not made by the tokenizer"):
         load_data(tok_out / "tokenizer", shards)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_other_launchers_run_two_processes(tmp_path, launcher):
+    manifest, _, _ = run_pretrain(tmp_path, f"distributed.launcher={launcher}", "pretrain.max_steps=4")
+    assert manifest["world_size"] == 2 and manifest["metrics"]["global_step"] == 4
