@@ -1,9 +1,10 @@
 """Built-in demo data: deterministic, seeded, no download, with verifiable answers.
 
-Five tasks graded from easy to hard, phrased as natural text:
+Six tasks graded from easy to hard, phrased as natural text:
   repeat  "Repeat the word cat twice."           -> "cat cat"
   succ    "What number comes after 41?"          -> "42"
   max     "Which is larger, 37 or 52?"           -> "52"
+  min     "Which is smaller, 37 or 52?"          -> "37"
   add1    "What is 3 plus 5?"                    -> "8"
   add2    "What is 23 plus 45?"                  -> "68"
 
@@ -18,14 +19,21 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
-GENERATOR_VERSION = 1
+# Bumped when a part's generator changes, so that only the stages reading that part recompute.
+VERSIONS = {"pretrain": 4, "sft": 1, "preference": 2}
 
 WORDS = ("cat dog sun red blue tree book fish bird car hat cup box pen map egg king moon star ship "
          "rain snow wind fire milk bread apple green door road lamp bell ring rose sand song "
-         "wolf bear frog duck lion horse cake salt gold iron").split()
-TASKS = ("repeat", "succ", "max", "add1", "add2")
+         "wolf bear frog duck lion horse cake salt gold iron hill lake river stone leaf seed farm barn "
+         "coat shoe sock bed desk chair glass plate spoon fork knife bowl pot pan oven soap towel "
+         "coin card gift box kite ball doll drum horn flute harp bus train boat plane road bridge "
+         "tower castle queen prince cow pig goat sheep mouse owl crow hawk swan deer fox seal shark "
+         "whale crab worm bee ant moth rice corn bean pea plum pear lime lemon grape melon nut tea "
+         "wine beer jam pie soup cloud storm fog ice frost dust ash smoke flame wave tide shell").split()
+WORDS = tuple(dict.fromkeys(WORDS))  # unique, in order
+TASKS = ("repeat", "succ", "max", "min", "add1", "add2")
 # Sampling weights: harder tasks get more examples.
-WEIGHTS = {"repeat": 1, "succ": 1, "max": 2, "add1": 2, "add2": 4}
+WEIGHTS = {"repeat": 1, "succ": 1, "max": 2, "min": 2, "add1": 2, "add2": 4}
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ def make_item(task: str, args: tuple) -> Item:
     if task == "max":
         a, b = args
         return Item(task, args, f"Which is larger, {a} or {b}?", str(max(a, b)))
+    if task == "min":
+        a, b = args
+        return Item(task, args, f"Which is smaller, {a} or {b}?", str(min(a, b)))
     a, b = args
     return Item(task, args, f"What is {a} plus {b}?", str(a + b))
 
@@ -59,7 +70,7 @@ def all_keys(task: str) -> list[tuple]:
         return [(w,) for w in WORDS]
     if task == "succ":
         return [(n,) for n in range(99)]
-    if task == "max":
+    if task in ("max", "min"):
         return [(a, b) for a in range(100) for b in range(100) if a != b]
     if task == "add1":
         return [(a, b) for a in range(10) for b in range(10)]
@@ -83,7 +94,9 @@ def _pools() -> tuple[dict, dict]:
 def _sentence(item: Item, rng: random.Random) -> str:
     """A pretraining document stating one fact, in one of several phrasings."""
     q, a, args = item.question, item.answer, item.args
-    styles = [f"Question: {q} Answer: {a}", f"Q: {q}\nA: {a}"]
+    # The answer alone on the line after the question is how the chat template lays out a reply
+    # ("...assistant\n68"), so the numbers the assistant writes are the tokens pretraining saw there.
+    styles = [f"{q}\n{a}", f"{q}\n{a}", f"Question: {q} Answer: {a}"]
     if item.task == "repeat":
         styles.append(f"The word {args[0]} said twice is {a}.")
     elif item.task == "succ":
@@ -92,6 +105,9 @@ def _sentence(item: Item, rng: random.Random) -> str:
     elif item.task == "max":
         styles.append(f"{a} is larger than {min(args)}.")
         styles.append(f"Between {args[0]} and {args[1]}, the larger is {a}.")
+    elif item.task == "min":
+        styles.append(f"{a} is smaller than {max(args)}.")
+        styles.append(f"Between {args[0]} and {args[1]}, the smaller is {a}.")
     else:
         styles.append(f"{args[0]} plus {args[1]} is {a}.")
         styles.append(f"{args[0]} + {args[1]} = {a}")
@@ -99,16 +115,23 @@ def _sentence(item: Item, rng: random.Random) -> str:
 
 
 def _wrong_answer(item: Item, rng: random.Random) -> str:
-    """A plausible wrong answer: off by a small amount, the smaller number, or a different word."""
+    """A plausible wrong answer, of the kinds people and small models make: an off-by-one or a slip of
+    ten, echoing an operand, the other number, the wrong operation, a different or missing word."""
     if item.task == "repeat":
-        other = rng.choice([w for w in WORDS if w != item.args[0]])
-        return rng.choice([item.args[0], f"{other} {other}", f"{item.args[0]} {other}"])
+        w = item.args[0]
+        other = rng.choice([x for x in WORDS if x != w])
+        return rng.choice([w, f"{other} {other}", f"{w} {other}", f"{w} {w} {w}"])
     if item.task == "max":
         return str(min(item.args))
-    right = int(item.answer)
-    delta = rng.choice([-10, -2, -1, 1, 2, 10])
-    wrong = right + delta if right + delta >= 0 else right + abs(delta)
-    return str(wrong)
+    if item.task == "min":
+        return str(max(item.args))
+    if item.task == "succ":
+        n = item.args[0]
+        return str(rng.choice([n, n + 2, max(0, n - 1)] if n else [n, n + 2]))
+    a, b = item.args
+    right = a + b
+    candidates = [right - 1, right + 1, right + 10, right - 10, abs(a - b), max(a, b)]
+    return str(rng.choice([c for c in candidates if c >= 0 and c != right]))
 
 
 @dataclass
@@ -117,6 +140,7 @@ class DemoData:
     sft: list[dict] = field(default_factory=list)
     preference: list[dict] = field(default_factory=list)
     eval: list[dict] = field(default_factory=list)  # {"task", "prompt": [messages], "answer"}
+    preference_eval: list[dict] = field(default_factory=list)  # pairs on the held-out items
 
 
 def _draw(pool: dict, n: int, rng: random.Random) -> list[Item]:
@@ -147,9 +171,17 @@ def generate(seed: int = 0, pretrain_docs: int = 20000, sft_items: int = 3000,
         for t in TASKS:
             if queues[t] and len(out.eval) < eval_items:
                 it = queues[t].pop()
-                out.eval.append({"task": t, "prompt": [{"role": "user", "content": it.question}],
-                                 "answer": it.answer})
+                prompt = [{"role": "user", "content": it.question}]
+                out.eval.append({"task": t, "prompt": prompt, "answer": it.answer})
+                out.preference_eval.append({"prompt": prompt, "chosen": it.answer, "rejected": _wrong_answer(it, rng)})
     return out
+
+
+def part_settings(which: str, demo) -> dict:
+    """What determines one part of the demo data (the fingerprint of `data.<which>: demo`)."""
+    size = {"pretrain": demo.pretrain_docs, "sft": demo.sft_items, "preference": demo.preference_pairs}[which]
+    held_out = None if which == "pretrain" else demo.eval_items  # validation rows come from held-out items
+    return {"part": which, "seed": demo.seed, "size": size, "eval_items": held_out, "version": VERSIONS[which]}
 
 
 def from_settings(demo) -> DemoData:

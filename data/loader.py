@@ -1,9 +1,9 @@
-"""A distributed, resumable loader over token shards.
+"""Distributed, resumable batching.
 
-The token stream is cut into windows of seq_len+1 tokens. Each epoch visits every window once in a
-seeded order; the global order is fixed by (seed, number of windows) alone. A global batch is the
-next `global_batch` windows of that order and rank r takes its own disjoint slice of every micro-step,
-so the data a run sees does not depend on when it was interrupted: the state is one integer.
+`DistributedOrder` visits items (token windows, conversations, pairs) epoch after epoch, each epoch in
+a seeded order fixed by (seed, number of items) alone. A micro-step takes the next micro_batch*world
+items of that order and rank r takes its own disjoint slice, so what a run sees does not depend on
+when it was interrupted: the state is one integer, the position.
 """
 
 from __future__ import annotations
@@ -12,44 +12,53 @@ import numpy as np
 import torch
 
 
-class TokenWindows:
-    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch: int, rank: int = 0, world: int = 1,
-                 seed: int = 0):
-        self.tokens, self.seq_len, self.micro_batch = tokens, seq_len, micro_batch
-        self.rank, self.world, self.seed = rank, world, seed
-        self.n_windows = (len(tokens) - 1) // seq_len
-        if self.n_windows < micro_batch * world:
-            raise ValueError(f"only {self.n_windows} windows of {seq_len + 1} tokens for a micro-step of "
-                             f"{micro_batch}x{world} sequences")
-        self.position = 0  # windows consumed by all ranks together
+class DistributedOrder:
+    def __init__(self, n_items: int, micro_batch: int, rank: int = 0, world: int = 1, seed: int = 0):
+        if n_items < micro_batch * world:
+            raise ValueError(f"only {n_items} items for a micro-step of {micro_batch}x{world}")
+        self.n_items, self.micro_batch, self.rank, self.world, self.seed = n_items, micro_batch, rank, world, seed
+        self.position = 0  # items consumed by all ranks together
         self._epoch, self._order = -1, None
 
-    def _window_ids(self, start: int, count: int) -> np.ndarray:
-        ids = np.empty(count, dtype=np.int64)
-        for i in range(count):
-            epoch, offset = divmod(start + i, self.n_windows)
+    def next_ids(self) -> np.ndarray:
+        """Indices of this rank's next micro-batch."""
+        start = self.position + self.rank * self.micro_batch
+        ids = np.empty(self.micro_batch, dtype=np.int64)
+        for i in range(self.micro_batch):
+            epoch, offset = divmod(start + i, self.n_items)
             if epoch != self._epoch:
                 self._epoch = epoch
-                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n_items)
             ids[i] = self._order[offset]
+        self.position += self.micro_batch * self.world
         return ids
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "n_items": self.n_items}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_items"] != self.n_items or state["seed"] != self.seed:
+            raise ValueError("loader state is from different data or seed")
+        self.position = state["position"]
+
+
+class TokenWindows(DistributedOrder):
+    """Windows of seq_len+1 tokens cut from the token stream, as (inputs, targets) micro-batches."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch: int, rank: int = 0, world: int = 1,
+                 seed: int = 0):
+        self.tokens, self.seq_len = tokens, seq_len
+        super().__init__((len(tokens) - 1) // seq_len, micro_batch, rank, world, seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch: inputs and next-token targets, both (B, T) int64."""
-        start = self.position + self.rank * self.micro_batch
-        ids = self._window_ids(start, self.micro_batch)
-        self.position += self.micro_batch * self.world
-        rows = np.stack([self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1] for i in ids])
-        rows = torch.from_numpy(rows.astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]  # (B, T), (B, T)
+        return _windows(self.tokens, self.seq_len, self.next_ids())
 
-    def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "n_windows": self.n_windows}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["n_windows"] != self.n_windows or state["seed"] != self.seed:
-            raise ValueError("loader state is from different shards or seed")
-        self.position = state["position"]
+def _windows(tokens: np.ndarray, seq_len: int, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([tokens[i * seq_len: i * seq_len + seq_len + 1] for i in ids])
+    rows = torch.from_numpy(rows.astype(np.int64))
+    return rows[:, :-1], rows[:, 1:]  # (B, T), (B, T)
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n_batches: int, rank: int, world: int):
@@ -60,6 +69,4 @@ def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n_batches: 
         raise ValueError(f"the val split holds {n_windows} windows of {seq_len + 1} tokens, "
                          f"fewer than one micro-step of {micro_batch}x{world}")
     for start in range(rank * micro_batch, total, micro_batch * world):
-        rows = np.stack([tokens[i * seq_len: i * seq_len + seq_len + 1] for i in range(start, start + micro_batch)])
-        rows = torch.from_numpy(rows.astype(np.int64))
-        yield rows[:, :-1], rows[:, 1:]
+        yield _windows(tokens, seq_len, range(start, start + micro_batch))

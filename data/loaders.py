@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from functools import partial
 
 from data import demo
@@ -10,26 +11,49 @@ from data.adapters import Normalised, normalise, to_messages, to_pair, to_text
 from data.sources import fingerprint_source, kind_of, read_rows
 
 
-def _load(spec: str, data_cfg, adapt, what: str, demo_part: str) -> Normalised:
-    if kind_of(spec) == "demo":
-        return Normalised(items=getattr(demo.from_settings(data_cfg.demo), demo_part), bad_rows=0)
+VAL_EVERY = 20  # for files and hub data: every 20th row is held out for validation
+
+
+@dataclass
+class Split:
+    """Normalised rows for training and held-out rows for validation."""
+
+    train: list
+    val: list
+    bad_rows: int = 0
+
+
+def _load(spec: str, data_cfg, adapt, what: str) -> Normalised:
     return normalise(read_rows(spec, data_cfg.split), adapt, data_cfg.on_bad_row, what)
+
+
+def _split(rows: Normalised) -> Split:
+    items = rows.items
+    return Split([x for i, x in enumerate(items) if i % VAL_EVERY], items[::VAL_EVERY], rows.bad_rows)
 
 
 def pretrain_texts(data_cfg) -> Normalised:
     """Pretraining documents (str)."""
-    adapt = partial(to_text, text_field=data_cfg.text_field)
-    return _load(data_cfg.pretrain, data_cfg, adapt, "text", "pretrain")
+    if kind_of(data_cfg.pretrain) == "demo":
+        return Normalised(demo.from_settings(data_cfg.demo).pretrain)
+    return _load(data_cfg.pretrain, data_cfg, partial(to_text, text_field=data_cfg.text_field), "text")
 
 
-def conversations(data_cfg) -> Normalised:
-    """Chat conversations ({"messages": [...]})."""
-    return _load(data_cfg.sft, data_cfg, to_messages, "chat", "sft")
+def conversations(data_cfg) -> Split:
+    """Chat conversations ({"messages": [...]}); demo validation uses the held-out items."""
+    if kind_of(data_cfg.sft) == "demo":
+        d = demo.from_settings(data_cfg.demo)
+        val = [{"messages": it["prompt"] + [{"role": "assistant", "content": it["answer"]}]} for it in d.eval]
+        return Split(d.sft, val)
+    return _split(_load(data_cfg.sft, data_cfg, to_messages, "chat"))
 
 
-def preference_pairs(data_cfg) -> Normalised:
-    """Preference pairs ({"prompt", "chosen", "rejected"})."""
-    return _load(data_cfg.preference, data_cfg, to_pair, "preference", "preference")
+def preference_pairs(data_cfg) -> Split:
+    """Preference pairs ({"prompt", "chosen", "rejected"}); demo validation uses the held-out items."""
+    if kind_of(data_cfg.preference) == "demo":
+        d = demo.from_settings(data_cfg.demo)
+        return Split(d.preference, d.preference_eval)
+    return _split(_load(data_cfg.preference, data_cfg, to_pair, "preference"))
 
 
 def eval_items(data_cfg) -> list[dict]:
@@ -41,6 +65,6 @@ def source_fingerprint(data_cfg, which: str) -> str:
     """Fingerprint of the rows behind `data.<which>` (pretrain, sft or preference): the source's
     content plus the settings that decide how its rows are read."""
     spec = getattr(data_cfg, which)
-    content = fingerprint_source(spec, data_cfg.split, data_cfg.demo.model_dump())
+    content = fingerprint_source(spec, data_cfg.split, demo.part_settings(which, data_cfg.demo))
     reading = f"{data_cfg.on_bad_row}|{data_cfg.text_field}|{data_cfg.split}"
     return hashlib.sha256(f"{content}|{reading}".encode()).hexdigest()

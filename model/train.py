@@ -63,6 +63,12 @@ def all_mean(value: float, device: torch.device) -> float:
     return t.item() / torch.distributed.get_world_size()
 
 
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
 # --- DeepSpeed config --------------------------------------------------------------------------
 
 
@@ -105,6 +111,23 @@ def warmup_cosine(train):
     return factor
 
 
+def init_engine(model, train, dist, world: int, device: torch.device):
+    """deepspeed.initialize with AdamW (decay on matrices), warmup+cosine lr and the section's batch.
+    Returns (engine, scheduler, gradient accumulation steps)."""
+    import deepspeed
+
+    from pipeline.errors import UserError
+
+    config = deepspeed_config(dist, train, world, device)
+    try:
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, train.weight_decay), config=config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(train)))
+    except torch.OutOfMemoryError as e:
+        raise UserError(startup_oom_message(dist, train, e)) from None
+    return engine, scheduler, config["gradient_accumulation_steps"]
+
+
 def startup_oom_message(dist, train, err: BaseException) -> str:
     return (f"out of memory at start-up ({err.__class__.__name__}) with distributed.zero_stage={dist.zero_stage}, "
             f"distributed.offload_optimizer={dist.offload_optimizer}, micro_batch_size={train.micro_batch_size}; "
@@ -136,15 +159,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_step(engine, ckpt_root: Path, step: int, client_state: dict, rank: int, keep_last: int) -> None:
-    """DeepSpeed checkpoint (weights, optimizer and scheduler shards) + client state + this rank's RNG;
-    rank 0 marks it complete (every file with its size) once all ranks have written, then prunes."""
-    tag = tag_of(step)
-    engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client_state)
-    torch.save(rng_state(), ckpt_root / tag / f"rng-rank{rank}.pt")
+def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, rank: int, keep_last: int) -> None:
+    """A step checkpoint: each DeepSpeed engine's weights, optimizer and scheduler shards under
+    step-N/<name>/, the client state, and this rank's RNG states. Rank 0 marks it complete (every file
+    with its size) once all ranks have written, then prunes the oldest."""
+    d = ckpt_root / tag_of(step)
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(d), tag=name, client_state=client_state)
+    torch.save(rng_state(), d / f"rng-rank{rank}.pt")
     barrier()
     if rank == 0:
-        d = ckpt_root / tag
         files = {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*")) if f.is_file()}
         tmp = d / f".{COMPLETE}.tmp"
         tmp.write_text(json.dumps({"step": step, "files": files}))
@@ -180,11 +204,18 @@ def newest_valid_checkpoint(ckpt_root: Path, rank: int) -> Path | None:
     return None
 
 
-def load_step(engine, ckpt: Path, rank: int) -> dict:
-    """Restore engine state (weights, optimizer, scheduler) and this rank's RNG; return client state."""
-    _, client_state = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
-                                             load_lr_scheduler_states=True)
+def resume(engines: dict, ckpt_root: Path, rank: int, stage: str) -> dict | None:
+    """Load the newest valid step checkpoint, if any, and say so; return its client state."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    ckpt = newest_valid_checkpoint(ckpt_root, rank)
+    if ckpt is None:
+        return None
+    for name, engine in engines.items():
+        _, client_state = engine.load_checkpoint(str(ckpt), tag=name, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True)
     set_rng_state(torch.load(ckpt / f"rng-rank{rank}.pt", weights_only=True))
+    if rank == 0:
+        print(f"[{stage}] resumed from {ckpt} at step {client_state['step']}", flush=True)
     return client_state
 
 

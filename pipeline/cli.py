@@ -35,19 +35,73 @@ def cmd_run(args) -> int:
 
     selected_stages(cfg, args.from_stage, args.only)
     t0 = time.perf_counter()
-    metrics = pipeline_flow(config_path=args.config, overrides=args.set, from_stage=args.from_stage, only=args.only)
+    metrics = pipeline_flow(config=cfg, from_stage=args.from_stage, only=args.only)
     print(f"\nrun {cfg.run.name} finished in {time.perf_counter() - t0:.1f}s")
     print(metrics_table(metrics))
     return 0
 
 
-def cmd_stage(args) -> int:
-    from pipeline.entry import execute
-    from pipeline.launch import stage_module
-    from pipeline.store import RunRecord, now
+def serve(cfg, name: str) -> None:
+    """Serve the pipeline deployment (parameters: this config; schedule: run.schedule) until interrupted."""
+    from pipeline.flow import pipeline_flow
+
+    pipeline_flow.serve(name=name, parameters={"config": cfg.model_dump(mode="json")}, cron=cfg.run.schedule,
+                        description="gptforge pipeline: tokenize -> pretrain -> sft -> reward -> preference")
+
+
+def cmd_serve(args) -> int:
+    cfg = load_config(args.config, args.set)
+    _quiet_prefect_env()
+    if not os.environ.get("PREFECT_API_URL"):
+        raise UserError("PREFECT_API_URL is not set: point it at a Prefect server, or use `gptforge up`")
+    serve(cfg, args.name)
+    return 0
+
+
+def server_healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def cmd_up(args) -> int:
+    import subprocess
 
     cfg = load_config(args.config, args.set)
-    module = importlib.import_module(stage_module(args.stage))
+    _quiet_prefect_env()
+    url = f"http://{args.host}:{args.port}/api"
+    server = None
+    if not server_healthy(url):
+        print(f"starting a Prefect server (SQLite) with its UI on http://{args.host}:{args.port}", flush=True)
+        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", args.host,
+                                   "--port", str(args.port)], start_new_session=True,
+                                  env={**os.environ, "PREFECT_UI_API_URL": url})
+        deadline = time.time() + 180
+        while not server_healthy(url):
+            if server.poll() is not None or time.time() > deadline:
+                raise UserError(f"the Prefect server did not start on {url}")
+            time.sleep(1)
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        serve(cfg, args.name)
+    finally:
+        if server is not None:
+            os.killpg(server.pid, 15)
+    return 0
+
+
+def cmd_stage(args) -> int:
+    from pipeline.entry import execute
+    from pipeline.store import UPSTREAM, RunRecord, now
+
+    cfg = load_config(args.config, args.set)
+    if args.stage not in UPSTREAM:
+        raise UserError(f"unknown stage {args.stage!r}; stages: {', '.join(UPSTREAM)}")
+    module = importlib.import_module(f"stages.{args.stage}")
     record = RunRecord(cfg)
     record.update(args.stage, started_at=now(), status="running")
     manifest = execute(cfg, args.stage, module.run, module.OUTPUTS)
@@ -102,6 +156,19 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from model.plan import make_plan, render
+
+    cfg = load_config(args.config, args.set)
+    arch = cfg.model.arch()
+    seq_len = cfg.pretrain.seq_len if args.seq_len is None else args.seq_len
+    plan = make_plan(arch, args.vocab_size or arch.vocab_size, seq_len, cfg.pretrain.micro_batch_size, args.gpus,
+                     args.tokens, args.peak_tflops, args.mfu)
+    print(render(plan, cfg.model.preset, args.gpus, args.gpu_mem, seq_len, cfg.pretrain.micro_batch_size,
+                 args.tokens is not None, args.peak_tflops, args.mfu))
+    return 0
+
+
 def metrics_table(metrics: dict[str, dict]) -> str:
     """Markdown table: one row per stage, its final metrics as key=value."""
     rows = ["| stage | metrics |", "| --- | --- |"]
@@ -151,6 +218,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true", help="disable the KV cache")
     gen.add_argument("--show-special", action="store_true", help="print special tokens")
     gen.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve the pipeline deployment to the Prefect server at PREFECT_API_URL")
+    config_args(sv)
+    sv.add_argument("--name", default="gptforge", help="deployment name")
+    sv.set_defaults(func=cmd_serve)
+
+    up = sub.add_parser("up", help="start a local Prefect server (UI on 127.0.0.1:4200) if none runs, and serve")
+    config_args(up)
+    up.add_argument("--name", default="gptforge", help="deployment name")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=4200)
+    up.set_defaults(func=cmd_up)
+
+    pl = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU per ZeRO stage, token budget, time")
+    config_args(pl)
+    pl.add_argument("--gpus", type=int, default=8)
+    pl.add_argument("--gpu-mem", type=float, default=None, help="GPU memory in GiB, to say what fits")
+    pl.add_argument("--tokens", type=float, default=None, help="training tokens (default: 20 per parameter)")
+    pl.add_argument("--seq-len", type=int, default=None, help="default: pretrain.seq_len")
+    pl.add_argument("--vocab-size", type=int, default=None, help="default: the preset's vocabulary")
+    pl.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200: 989)")
+    pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
+    pl.set_defaults(func=cmd_plan)
 
     st = sub.add_parser("status", help="what each stage of a run did, with its metrics")
     st.add_argument("run", nargs="?", help="run name (default: the latest)")

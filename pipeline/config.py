@@ -26,6 +26,9 @@ class RunSection(Section):
     name: str = Field("tiny", description="Run name: the run directory is <root>/<name>.")
     root: str = Field("runs", description="Directory holding runs and the stage store.")
     seed: int = Field(0, description="Global seed for data order, init and sampling.")
+    retries: int = Field(0, ge=0, description="Prefect retries of a failed stage (a retry resumes from its checkpoint).")
+    retry_delay: int = Field(10, ge=0, description="Seconds between retries.")
+    schedule: str | None = Field(None, description="Cron schedule of the served deployment, e.g. '0 2 * * *'.")
 
 
 class DemoSection(Section):
@@ -148,6 +151,7 @@ class SFTSection(TrainSection):
 class RewardSection(TrainSection):
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW).")
     max_length: int = Field(96, ge=8, description="Maximum tokens per prompt+response.")
+    on_too_long: Literal["skip", "truncate"] = Field("skip", description="What to do with pairs over max_length.")
     margin: float = Field(0.0, ge=0, description="Margin term of the pairwise loss.")
     center_rewards_coefficient: float = Field(0.0, ge=0, description="Weight of the reward-centering term.")
 
@@ -158,7 +162,19 @@ class PreferenceSection(TrainSection):
     lr: float = Field(5e-5, gt=0, description="Peak learning rate (AdamW).")
     beta: float = Field(0.1, gt=0, description="KL strength (DPO beta, PPO initial KL coefficient).")
     loss_type: str = Field("sigmoid", description="DPO loss type (sigmoid, ipo, hinge, robust, ...).")
+    max_length: int = Field(96, ge=8, description="Maximum tokens per prompt+response.")
     max_new_tokens: int = Field(8, ge=1, description="Response length for on-policy sampling.")
+    ppo_epochs: int = Field(2, ge=1, description="PPO passes over each rollout batch.")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO discount factor.")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO GAE lambda.")
+    cliprange: float = Field(0.2, gt=0, description="PPO policy ratio clip.")
+    cliprange_value: float = Field(0.2, gt=0, description="PPO value clip.")
+    critic_lr: float = Field(1e-4, gt=0, description="PPO critic learning rate.")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
+    num_generations: int = Field(4, ge=2, description="GRPO/RLOO completions per prompt.")
+    verifier_reward: bool = Field(False, description="GRPO/RLOO: add a rule-based verifier of demo answers as a second reward.")
+    max_bad_steps: int = Field(3, ge=0, description="Steps with a NaN/Inf reward or loss skipped before the stage fails.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for rollouts.")
     top_k: int = Field(0, ge=0, description="Top-k for rollouts (0 disables).")
     top_p: float = Field(1.0, gt=0, le=1, description="Top-p for rollouts.")

@@ -71,6 +71,8 @@ def stage_main(stage: str, run: RunFn, outputs: dict[str, str], argv: list[str] 
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}")
     parser.add_argument("--config", "-c", required=True, help="pipeline YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    # Launchers may append --local_rank; the rank is read from the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         execute(load_config(args.config, args.set), stage, run, outputs)

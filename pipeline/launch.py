@@ -11,34 +11,30 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from pipeline.config import PipelineConfig
-from pipeline.store import section_of
 
 SINGLE_PROCESS = {"tokenize"}
-
-
-def stage_module(stage: str) -> str:
-    return f"stages.{stage if section_of(stage) != 'preference' else 'preference'}"
+# TRL trainers need accelerate's launcher to see the world size (see model/hf_trainer.py).
+ACCELERATE_ONLY = {"dpo", "grpo", "rloo"}
 
 
 def stage_command(cfg: PipelineConfig, stage: str, config_path: Path) -> list[str]:
     """The command line that runs a stage under the configured launcher."""
-    module = stage_module(stage)
-    args = ["--config", str(config_path)]
-    if stage != module.split(".")[1]:
-        args += ["--stage", stage]
+    module, args = f"stages.{stage}", ["--config", str(config_path)]
     if stage in SINGLE_PROCESS:
         return [sys.executable, "-m", module, *args]
     d = cfg.distributed
-    if d.launcher == "torchrun":
+    launcher = "accelerate" if stage in ACCELERATE_ONLY else d.launcher
+    if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}",
                f"--nnodes={d.nnodes}", f"--node_rank={d.node_rank}", f"--master_addr={d.master_addr}",
                f"--master_port={d.master_port}"]
-    elif d.launcher == "accelerate":
+    elif launcher == "accelerate":
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
                "--zero_stage", str(d.zero_stage), "--num_processes", str(d.world_size),
                "--num_machines", str(d.nnodes), "--machine_rank", str(d.node_rank),
@@ -62,39 +58,52 @@ def stage_env() -> dict[str, str]:
     return {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
 
 
-_PROGRESS = re.compile(r"\d+%\|")
+_PROGRESS = re.compile(rb"(\d+)%\|")
 
 
 def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None = None,
-                  progress_every: float = 10.0) -> int:
+                  on_progress: Callable[[float], None] | None = None, progress_every: float = 10.0) -> int:
     """Run cmd in its own process group, passing each output line to `log`; progress-bar redraws are
-    passed at most every `progress_every` seconds. The whole group is killed if we are interrupted."""
+    logged (and passed to `on_progress` as a percentage) at most every `progress_every` seconds.
+    If we are interrupted or sent SIGTERM (a cancelled flow run), the whole group is killed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, **(env or {})}, start_new_session=True)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     last_progress = 0.0
     buf = b""
     try:
-        while True:
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = re.split(rb"[\r\n]", buf)
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            *lines, buf = re.split(rb"[\r\n]", buf + chunk)
             for raw in lines:
-                line = raw.decode("utf-8", "replace").rstrip()
-                if not line:
+                if not raw.strip():
                     continue
-                if _PROGRESS.search(line):
-                    if time.monotonic() - last_progress < progress_every and "100%" not in line:
+                progress = _PROGRESS.search(raw)
+                if progress:
+                    if time.monotonic() - last_progress < progress_every and progress.group(1) != b"100":
                         continue
                     last_progress = time.monotonic()
-                log(line)
+                    if on_progress:
+                        on_progress(float(progress.group(1)))
+                log(raw.decode("utf-8", "replace").rstrip())
         if buf.strip():
             log(buf.decode("utf-8", "replace").rstrip())
         return proc.wait()
     except BaseException:
         kill_group(proc)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM received while a stage was running."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated("terminated")
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

@@ -7,7 +7,6 @@ Resumes from its newest valid step checkpoint; exports a Hugging Face model dire
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from model.build import build_model, count_params, flops_per_token, peak_flops
 from model.losses import causal_lm_loss
 from pipeline.config import PipelineConfig
 from pipeline.entry import stage_main
-from pipeline.errors import DataError, UserError
+from pipeline.errors import DataError
 
 OUTPUTS = {"model": "model"}
 
@@ -50,8 +49,6 @@ def evaluate(engine, val, pc, rank, world, device) -> float:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    import deepspeed
-
     pc, dist = cfg.pretrain, cfg.distributed
     rank, world, device = T.setup_distributed()
     tokenizer, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer", inputs["tokenize"] / "shards")
@@ -63,25 +60,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
     n_params = count_params(model)
-    ds_config = T.deepspeed_config(dist, pc, world, device)
-    grad_accum = ds_config["gradient_accumulation_steps"]
-    try:
-        engine, _, _, scheduler = deepspeed.initialize(
-            model=model, model_parameters=T.param_groups(model, pc.weight_decay), config=ds_config,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, T.warmup_cosine(pc)))
-    except torch.OutOfMemoryError as e:
-        raise UserError(T.startup_oom_message(dist, pc, e)) from None
+    engine, scheduler, grad_accum = T.init_engine(model, pc, dist, world, device)
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
-
-    step, ckpt_root = 0, out_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    ckpt = T.newest_valid_checkpoint(ckpt_root, rank)
-    if ckpt is not None:
-        state = T.load_step(engine, ckpt, rank)
-        step = state["step"]
+    ckpt_root = out_dir / "checkpoints"
+    state = T.resume({"model": engine}, ckpt_root, rank, "pretrain")
+    step = state["step"] if state else 0
+    if state:
         loader.load_state_dict(state["loader"])
-        if rank == 0:
-            print(f"[pretrain] resumed from {ckpt} at step {step}", flush=True)
     log = T.MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     tokens_per_step = pc.global_batch_size * pc.seq_len
@@ -129,7 +114,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             val_loss = evaluate(engine, val_tokens, pc, rank, world, device)
             log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
         if step % pc.save_every == 0 and step < pc.max_steps:
-            T.save_step(engine, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, pc.keep_last)
+            T.save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, pc.keep_last)
     bar.close()
     log.close()
 
@@ -147,13 +132,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             "flops_per_token": flops_tok}
 
 
-def main(argv=None) -> int:
-    # Launchers append --local_rank; the rank comes from the environment.
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
-    _, rest = parser.parse_known_args(argv)
-    return stage_main("pretrain", run, OUTPUTS, rest)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(stage_main("pretrain", run, OUTPUTS))

@@ -39,3 +39,19 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@pytest.fixture(scope="session")
+def chain(tmp_path_factory):
+    """tokenize -> pretrain (ZeRO-2) -> sft -> reward (ZeRO-3), uninterrupted, real 2-process runs, in one root
+    shared by the stage tests: {"root": Path, stage: (manifest, out_dir, output)}."""
+    from tests.helpers import config, run_stage, tokenize_in_process
+
+    root = tmp_path_factory.mktemp("chain")
+    cfg, path = config(root, "distributed.zero_stage=2")
+    tokenize_in_process(cfg)
+    out = {"root": root, "pretrain": run_stage(cfg, path, "pretrain")}
+    cfg, path = config(root, "distributed.zero_stage=3")  # ZeRO is not part of the fingerprints
+    out["sft"] = run_stage(cfg, path, "sft")
+    out["reward"] = run_stage(cfg, path, "reward")
+    return out

@@ -2,12 +2,12 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from pipeline.config import dump_config
 from pipeline.flow import pipeline_flow
 
 from tests.conftest import ROOT
+
+ONLY_TOKENIZE = ["pretrain.enabled=false", "sft.enabled=false", "reward.enabled=false", "preference.enabled=false"]
 
 
 def write_cfg(cfg, tmp_path):
@@ -16,20 +16,22 @@ def write_cfg(cfg, tmp_path):
     return str(path)
 
 
-def test_flow_runs_then_reuses(prefect_server, small_cfg, tmp_path):
-    cfg = small_cfg()
-    path = write_cfg(cfg, tmp_path)
-    first = pipeline_flow(config_path=path)
-    record = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+def test_flow_runs_then_reuses_and_reports(prefect_server, small_cfg, tmp_path):
+    cfg = small_cfg(*ONLY_TOKENIZE)
+    first = pipeline_flow(config=cfg)
+    run_dir = tmp_path / "runs" / "tiny"
+    record = json.loads((run_dir / "run.json").read_text())
     assert record["stages"]["tokenize"]["action"] == "computed"
     assert record["stages"]["tokenize"]["status"] == "complete"
-    second = pipeline_flow(config_path=path)
-    record = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+    second = pipeline_flow(config=cfg)
+    record = json.loads((run_dir / "run.json").read_text())
     assert record["stages"]["tokenize"]["action"] == "reused"
     assert first == second and first["tokenize"]["tokens"] > 0
-    # --from recomputes
-    pipeline_flow(config_path=path, from_stage="tokenize")
-    record = json.loads((tmp_path / "runs" / "tiny" / "run.json").read_text())
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["stages"]["tokenize"]["metrics"]["tokens"] == first["tokenize"]["tokens"]
+    assert "| tokenize | reused |" in (run_dir / "report.md").read_text()
+    pipeline_flow(config=cfg, from_stage="tokenize")  # --from recomputes
+    record = json.loads((run_dir / "run.json").read_text())
     assert record["stages"]["tokenize"]["action"] == "computed"
 
 

@@ -1,0 +1,97 @@
+"""Chat-template encoding for SFT and preference data, and padded batches.
+
+An encoded example is (input_ids, labels) of equal length; labels hold the token where the loss
+applies and IGNORE elsewhere. `collate` shifts them into next-token targets.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from model.losses import IGNORE
+
+
+@dataclass
+class Encoded:
+    examples: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    truncated: int = 0
+
+
+def encode_conversations(tokenizer, conversations: list[dict], max_length: int, assistant_only: bool,
+                         on_too_long: str) -> Encoded:
+    """Chat-template each conversation; labels on assistant tokens only (or on all tokens).
+    Conversations without an assistant turn are skipped; longer ones skipped or truncated."""
+    out = Encoded()
+    for conv in conversations:
+        messages = conv["messages"]
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            out.skipped["no_assistant_turn"] += 1
+            continue
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+        if len(ids) > max_length:
+            if on_too_long == "skip" or not any(mask[:max_length]):
+                out.skipped["too_long"] += 1
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            out.truncated += 1
+        labels = [t if (m or not assistant_only) else IGNORE for t, m in zip(ids, mask)]
+        out.examples.append((ids, labels))
+    return out
+
+
+def pack(examples: list[tuple[list[int], list[int]]], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """Concatenate consecutive examples into sequences of at most max_length tokens."""
+    packed, ids, labels = [], [], []
+    for x, y in examples:
+        if ids and len(ids) + len(x) > max_length:
+            packed.append((ids, labels))
+            ids, labels = [], []
+        ids, labels = ids + x, labels + y
+    if ids:
+        packed.append((ids, labels))
+    return packed
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded batch: input_ids (B, T), attention_mask (B, T), targets (B, T) = labels shifted left."""
+    T = max(len(x) for x, _ in examples)
+    input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), T), dtype=torch.long)
+    targets = torch.full((len(examples), T), IGNORE, dtype=torch.long)
+    for i, (x, y) in enumerate(examples):
+        input_ids[i, :len(x)] = torch.tensor(x)
+        attention[i, :len(x)] = 1
+        targets[i, :len(y) - 1] = torch.tensor(y[1:])
+    return input_ids, attention, targets
+
+
+def encode_pairs(tokenizer, pairs: list[dict], max_length: int, on_too_long: str) -> Encoded:
+    """Each pair as (chosen ids, rejected ids): the prompt plus the response as an assistant turn.
+    Pairs whose responses are identical are skipped; longer ones skipped or truncated."""
+    out = Encoded()
+    for p in pairs:
+        if p["chosen"].strip() == p["rejected"].strip():
+            out.skipped["identical_responses"] += 1
+            continue
+        seqs = [tokenizer.apply_chat_template(p["prompt"] + [{"role": "assistant", "content": r}], tokenize=True,
+                                              return_dict=True)["input_ids"] for r in (p["chosen"], p["rejected"])]
+        if max(len(s) for s in seqs) > max_length:
+            if on_too_long == "skip":
+                out.skipped["too_long"] += 1
+                continue
+            seqs = [s[:max_length] for s in seqs]
+            out.truncated += 1
+        out.examples.append((list(seqs[0]), list(seqs[1])))
+    return out
+
+
+def prompt_ids(tokenizer, prompt: list[dict]) -> list[int]:
+    """The prompt in the chat template, ending with the assistant header (generation prompt)."""
+    return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])

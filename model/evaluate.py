@@ -1,0 +1,129 @@
+"""Held-out evaluation by generation: exact match of greedy answers to verifiable items."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from data.chat import prompt_ids
+
+
+def stop_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 64,
+             do_sample: bool = False, **sampling) -> list[str]:
+    """Responses to chat prompts (left-padded batches, KV cache), cut at the first stop token."""
+    model.eval()
+    stops, pad = stop_ids(model), tokenizer.pad_token_id
+    responses = []
+    for i in range(0, len(prompts), batch_size):
+        encoded = [prompt_ids(tokenizer, p) for p in prompts[i:i + batch_size]]
+        T = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), T), pad, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for j, e in enumerate(encoded):
+            ids[j, T - len(e):] = torch.tensor(e)
+            attention[j, T - len(e):] = 1
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
+                             max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
+                             eos_token_id=list(stops), use_cache=True, **sampling)
+        for row in out[:, T:].tolist():
+            cut = next((k for k, t in enumerate(row) if t in stops), len(row))
+            responses.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
+    return responses
+
+
+def exact_match(model, tokenizer, items: list[dict], max_new_tokens: int) -> tuple[float, list[str]]:
+    """Fraction of items whose greedy response equals the answer (whitespace-trimmed); and the responses."""
+    responses = generate(model, tokenizer, [it["prompt"] for it in items], max_new_tokens)
+    hits = sum(r == it["answer"] for r, it in zip(responses, items))
+    return hits / len(items), responses
+
+
+@torch.no_grad()
+def reward_scores(reward_model, tokenizer, prompts: list[list[dict]], responses: list[str],
+                  batch_size: int = 64) -> list[float]:
+    """The reward model's score of each prompt + response (the response as the assistant turn)."""
+    from data.chat import collate
+
+    reward_model.eval()
+    scores = []
+    for i in range(0, len(prompts), batch_size):
+        seqs = [tokenizer.apply_chat_template(p + [{"role": "assistant", "content": r}], tokenize=True,
+                                              return_dict=True)["input_ids"]
+                for p, r in zip(prompts[i:i + batch_size], responses[i:i + batch_size])]
+        x, a, _ = collate([(list(s), list(s)) for s in seqs], tokenizer.pad_token_id)
+        scores += reward_model(input_ids=x.to(reward_model.device),
+                               attention_mask=a.to(reward_model.device)).logits.squeeze(-1).float().tolist()
+    return scores
+
+
+@torch.no_grad()
+def response_logprobs(model, tokenizer, prompts: list[list[dict]], responses: list[list[int]]) -> list[float]:
+    """Sum of log-probabilities of each response's tokens given its prompt."""
+    model.eval()
+    out = []
+    for p, r in zip(prompts, responses):
+        ids = prompt_ids(tokenizer, p)
+        x = torch.tensor([ids + r], device=model.device)
+        logp = torch.log_softmax(model(input_ids=x).logits[0, len(ids) - 1:-1].float(), -1)  # (len(r), V)
+        out.append(logp.gather(-1, torch.tensor(r, device=model.device)[:, None]).sum().item())
+    return out
+
+
+@torch.no_grad()
+def sample_response_ids(model, tokenizer, prompt: list[dict], max_new_tokens: int, generator_seed: int) -> list[int]:
+    """One sampled response (temperature 1), as token ids up to and including the first stop token."""
+    ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=model.device)
+    torch.manual_seed(generator_seed)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                         top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=list(stop_ids(model)))[0, ids.shape[1]:].tolist()
+    stops = stop_ids(model)
+    cut = next((k + 1 for k, t in enumerate(out) if t in stops), len(out))
+    return out[:cut]
+
+
+def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
+                      seed: int = 0) -> dict:
+    """Held-out metrics of a preference stage: exact match of the policy and of the SFT model, the reward
+    model's mean score of the policy's answers, its win rate against the SFT model's answers (ties count
+    half), and KL(policy || SFT) estimated on samples from the policy (nats per response)."""
+    prompts = [it["prompt"] for it in items]
+    em, policy_answers = exact_match(policy, tokenizer, items, max_new_tokens)
+    sft_em, sft_answers = exact_match(sft, tokenizer, items, max_new_tokens)
+    policy_scores = reward_scores(reward_model, tokenizer, prompts, policy_answers)
+    sft_scores = reward_scores(reward_model, tokenizer, prompts, sft_answers)
+    wins = [0.5 if a == b or p == s else float(p > s)
+            for a, b, p, s in zip(policy_answers, sft_answers, policy_scores, sft_scores)]
+    samples = [sample_response_ids(policy, tokenizer, p, max_new_tokens, seed + i) for i, p in enumerate(prompts)]
+    kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, samples),
+                                response_logprobs(sft, tokenizer, prompts, samples))]
+    return {"exact_match": em, "sft_exact_match": sft_em, "win_rate_vs_sft": sum(wins) / len(wins),
+            "reward_mean": sum(policy_scores) / len(policy_scores), "kl": sum(kl) / len(kl)}
+
+
+def check_same_vocabulary(a, b, what: str) -> None:
+    """Raise a UserError when two tokenizers do not share one vocabulary."""
+    from pipeline.errors import UserError
+
+    if a.get_vocab() != b.get_vocab():
+        raise UserError(f"{what}: vocabularies differ ({len(a)} vs {len(b)} tokens); "
+                        "the policy, reference and reward model must share one tokenizer")
+
+
+def report_from_dirs(policy_dir: Path, sft_dir: Path, reward_dir: Path, items: list[dict], max_new_tokens: int,
+                     seed: int) -> dict:
+    """preference_report on the exported policy, the SFT model and the reward model."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    return preference_report(AutoModelForCausalLM.from_pretrained(policy_dir),
+                             AutoModelForCausalLM.from_pretrained(sft_dir),
+                             AutoModelForSequenceClassification.from_pretrained(reward_dir),
+                             tokenizer, items, max_new_tokens, seed)

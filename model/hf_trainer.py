@@ -1,0 +1,120 @@
+"""What the TRL-based preference stages (dpo, grpo, rloo) share: the Trainer arguments built from a
+config section (DeepSpeed ZeRO config, batch, schedule, checkpoints), resume from the newest Trainer
+checkpoint, metrics into logs/metrics.jsonl, export and the held-out report.
+
+TRL trainers run under `accelerate launch` with DeepSpeed (under the plain `deepspeed` launcher on a
+CPU each rank believes it is alone), so pipeline.launch starts these stages with accelerate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from model.train import DS_CONFIGS
+
+
+def trainer_kwargs(section, dist, world: int, out_dir: Path, seed: int) -> dict:
+    """TrainingArguments fields shared by every TRL stage."""
+    cuda = torch.cuda.is_available()
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "logs" / "tb")  # transformers 5 reads it from here
+    ds = json.loads((DS_CONFIGS / f"zero{dist.zero_stage}.json").read_text())
+    if dist.offload_optimizer:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return dict(
+        output_dir=str(out_dir / "checkpoints"), seed=seed, data_seed=seed, deepspeed=ds,
+        per_device_train_batch_size=section.micro_batch_size,
+        gradient_accumulation_steps=section.global_batch_size // (section.micro_batch_size * world),
+        learning_rate=section.lr, lr_scheduler_type="cosine", warmup_steps=section.warmup_steps,
+        max_steps=section.max_steps, weight_decay=section.weight_decay, max_grad_norm=section.grad_clip,
+        adam_beta2=0.95, logging_steps=section.log_every, save_strategy="steps", save_steps=section.save_every,
+        save_total_limit=section.keep_last, report_to=["tensorboard"],
+        use_cpu=not cuda, bf16=cuda and dist.precision in ("auto", "bf16"), gradient_checkpointing=dist.activation_checkpointing,
+        disable_tqdm=False, dataloader_num_workers=0, remove_unused_columns=False,
+    )
+
+
+class JsonlMetrics(TrainerCallback):
+    """Each Trainer log record as a line of logs/metrics.jsonl (rank 0), as the other stages write."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+def resume_point(out_dir: Path, stage: str, rank: int) -> str | None:
+    """The newest Trainer checkpoint to resume from, if any; log that we do."""
+    ckpt_dir = out_dir / "checkpoints"
+    last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
+    if last and rank == 0:
+        print(f"[{stage}] resumed from {last}", flush=True)
+    return last
+
+
+def export(trainer, tokenizer, sft_dir: Path, out: Path) -> None:
+    """The trained policy as a Hugging Face directory (ZeRO-3 gathered by the Trainer), with the SFT
+    model's generation config."""
+    trainer.save_model(str(out))
+    if trainer.accelerator.is_main_process:
+        tokenizer.save_pretrained(out)
+        shutil.copy(sft_dir / "generation_config.json", out / "generation_config.json")
+
+
+def verifier(prompts, completions, answer, **kwargs) -> list[float]:
+    """Rule-based reward for the demo items: 1 when the completion is exactly the known answer."""
+    return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+
+def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_cls, config_cls) -> dict:
+    """GRPO or RLOO with TRL: sample num_generations completions per prompt, reward them with the trained
+    reward model (and optionally the demo verifier), update the policy against a group baseline."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data import loaders
+    from model import train as T
+    from model.evaluate import check_same_vocabulary, report_from_dirs
+    from pipeline.errors import ConfigError
+
+    pc, dist = cfg.preference, cfg.distributed
+    rank, world, _ = T.setup_distributed()
+    sft_dir, reward_dir = inputs["sft"] / "model", inputs["reward"] / "model"
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    reward_tokenizer = AutoTokenizer.from_pretrained(reward_dir)
+    check_same_vocabulary(tokenizer, reward_tokenizer, f"reward model {reward_dir}")
+    if pc.verifier_reward and cfg.data.preference != "demo":
+        raise ConfigError("preference.verifier_reward needs data.preference: demo (the verifier knows demo answers)")
+    pairs = loaders.preference_pairs(cfg.data).train
+    # The demo's chosen responses are the verified answers.
+    train = Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])
+    reward_funcs = [str(reward_dir)] + ([verifier] if pc.verifier_reward else [])
+    args = config_cls(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
+                      num_generations=pc.num_generations, max_completion_length=pc.max_new_tokens,
+                      temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p)
+    trainer = trainer_cls(model=AutoModelForCausalLM.from_pretrained(sft_dir), reward_funcs=reward_funcs, args=args,
+                          train_dataset=train, processing_class=tokenizer,
+                          reward_processing_classes=[reward_tokenizer] + ([None] if pc.verifier_reward else []),
+                          callbacks=[JsonlMetrics(out_dir / "logs" / "metrics.jsonl")])
+    trainer.train(resume_from_checkpoint=resume_point(out_dir, stage, rank))
+    export(trainer, tokenizer, sft_dir, out_dir / "model")
+    T.barrier()
+    metrics = {"global_step": trainer.state.global_step}
+    if rank == 0:
+        items = loaders.eval_items(cfg.data)[:cfg.eval.items]
+        metrics.update(report_from_dirs(out_dir / "model", sft_dir, reward_dir, items, cfg.eval.max_new_tokens,
+                                        cfg.run.seed))
+        print(f"[{stage}] {metrics}", flush=True)
+    T.barrier()
+    return metrics

@@ -1,0 +1,122 @@
+"""Reward stage: a scalar reward model initialised from the SFT model, trained on preference pairs
+with the pairwise Bradley-Terry loss (optional margin and reward centering), under DeepSpeed ZeRO.
+
+    deepspeed --num_gpus 2 -m stages.reward --config configs/tiny.yaml
+
+Our own loop rather than TRL's RewardTrainer, for the same reason as SFT: one exact-resume mechanism
+across stages. Exported as a Hugging Face sequence-classification directory (one label).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from data import loaders
+from data.chat import collate, encode_pairs
+from data.loader import DistributedOrder
+from model import train as T
+from model.losses import pairwise_reward_loss
+from pipeline.config import PipelineConfig
+from pipeline.entry import stage_main
+from pipeline.errors import DataError
+
+OUTPUTS = {"model": "model"}
+
+
+def rewards(engine, pairs: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of the chosen and the rejected sequences, (B,) each, in one padded forward pass."""
+    seqs = [(c, c) for c, _ in pairs] + [(r, r) for _, r in pairs]
+    x, a, _ = collate(seqs, pad_id)
+    scores = engine(input_ids=x.to(device), attention_mask=a.to(device)).logits.squeeze(-1).float()  # (2B,)
+    return scores[:len(pairs)], scores[len(pairs):]
+
+
+@torch.no_grad()
+def evaluate(engine, pairs, micro_batch: int, pad_id: int, rank: int, world: int, device) -> tuple[float, float]:
+    """Held-out accuracy (chosen scored above rejected) and mean margin r_c - r_r."""
+    engine.eval()
+    correct = margin = 0.0
+    mine = pairs[rank::world]
+    for i in range(0, len(mine), micro_batch):
+        c, r = rewards(engine, mine[i:i + micro_batch], pad_id, device)
+        correct += (c > r).sum().item()
+        margin += (c - r).sum().item()
+    engine.train()
+    correct, margin, n = T.all_sum([correct, margin, len(mine)], device)
+    return correct / n, margin / n
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rc, dist = cfg.reward, cfg.distributed
+    rank, world, device = T.setup_distributed()
+    sft_dir = inputs["sft"] / "model"
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    data = loaders.preference_pairs(cfg.data)
+    train = encode_pairs(tokenizer, data.train, rc.max_length, rc.on_too_long)
+    val = encode_pairs(tokenizer, data.val, rc.max_length, rc.on_too_long)
+    if len(train.examples) < rc.micro_batch_size * world or not val.examples:
+        raise DataError(f"too few usable preference pairs: {len(train.examples)} to train, {len(val.examples)} "
+                        f"to validate (skipped: {dict(train.skipped)})")
+    if rank == 0:
+        print(f"[reward] {len(train.examples)} pairs, {len(val.examples)} held out; skipped {dict(train.skipped)}, "
+              f"truncated {train.truncated}", flush=True)
+
+    torch.manual_seed(cfg.run.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
+    if dist.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    engine, scheduler, grad_accum = T.init_engine(model, rc, dist, world, device)
+    order = DistributedOrder(len(train.examples), rc.micro_batch_size, rank, world, seed=cfg.run.seed)
+    state = T.resume({"model": engine}, out_dir / "checkpoints", rank, "reward")
+    step = state["step"] if state else 0
+    if state:
+        order.load_state_dict(state["loader"])
+    log = T.MetricsLog(out_dir / "logs", rank, resume_step=step)
+
+    bar = tqdm(total=rc.max_steps, initial=step, desc="reward", file=sys.stderr, disable=rank != 0, mininterval=2.0)
+    train_loss = accuracy = margin = float("nan")
+    while step < rc.max_steps:
+        step_loss = step_acc = 0.0
+        for _ in range(grad_accum):
+            chosen, rejected = rewards(engine, [train.examples[i] for i in order.next_ids()],
+                                       tokenizer.pad_token_id, device)
+            loss = pairwise_reward_loss(chosen, rejected, rc.margin, rc.center_rewards_coefficient)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / grad_accum
+            step_acc += (chosen > rejected).float().mean().item() / grad_accum
+        step += 1
+        bar.update(1)
+        if step % rc.log_every == 0 or step == rc.max_steps:
+            train_loss = T.all_mean(step_loss, device)
+            log.log(step, loss=train_loss, train_accuracy=T.all_mean(step_acc, device), lr=scheduler.get_last_lr()[0])
+        if step % rc.eval_every == 0 or step == rc.max_steps:
+            accuracy, margin = evaluate(engine, val.examples, rc.micro_batch_size, tokenizer.pad_token_id,
+                                        rank, world, device)
+            log.log(step, reward_accuracy=accuracy, reward_margin=margin)
+        if step % rc.save_every == 0 and step < rc.max_steps:
+            T.save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict()},
+                        rank, rc.keep_last)
+    bar.close()
+    log.close()
+
+    state_dict = T.full_state_dict(engine.module, dist.zero_stage, rank)
+    if rank == 0:
+        T.export_hf(engine.module, state_dict, tokenizer, out_dir / "model", [tokenizer.eos_token_id])
+    T.barrier()
+    return {"reward_accuracy": round(accuracy, 6), "reward_margin": round(margin, 6),
+            "train_loss": round(train_loss, 6), "global_step": step, "bad_rows": data.bad_rows,
+            "skipped_identical": train.skipped["identical_responses"] + val.skipped["identical_responses"],
+            "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],
+            "truncated": train.truncated + val.truncated}
+
+
+if __name__ == "__main__":
+    sys.exit(stage_main("reward", run, OUTPUTS))

@@ -1,0 +1,90 @@
+"""Running real stages (real launchers, real processes) from tests."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from pipeline.config import dump_config, load_config
+from pipeline.entry import execute, locate
+from pipeline.launch import stage_command, stage_env
+from pipeline.store import read_manifest
+from stages import tokenize
+
+from tests.conftest import ROOT, SMALL, TINY
+
+# Short, fast training for every stage; each test adds what it needs.
+FAST = [
+    "model.n_layer=2", "pretrain.max_steps=30", "pretrain.save_every=5", "pretrain.eval_every=15",
+    "pretrain.log_every=1", "pretrain.micro_batch_size=8", "pretrain.global_batch_size=16",
+    "pretrain.warmup_steps=5", "pretrain.seq_len=64", "pretrain.eval_batches=2", "pretrain.keep_last=3",
+    "eval.items=24",
+]
+for _s in ("sft", "reward", "preference"):
+    FAST += [f"{_s}.max_steps=20", f"{_s}.save_every=5", f"{_s}.eval_every=10", f"{_s}.log_every=1",
+             f"{_s}.micro_batch_size=4", f"{_s}.global_batch_size=8", f"{_s}.warmup_steps=2", f"{_s}.keep_last=3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(root: Path, *overrides):
+    """A fast config rooted at `root`, written to root/pipeline.yaml; returns (cfg, path)."""
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(TINY, [f"run.root={root}", *SMALL, *FAST, f"distributed.master_port={free_port()}",
+                             *overrides])
+    path = root / "pipeline.yaml"
+    path.write_text(dump_config(cfg))
+    return cfg, path
+
+
+def tokenize_in_process(cfg):
+    execute(cfg, "tokenize", tokenize.run, tokenize.OUTPUTS)
+
+
+def launch(cfg, path, stage) -> subprocess.Popen:
+    return subprocess.Popen(stage_command(cfg, stage, path), cwd=ROOT, env={**os.environ, **stage_env()},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def run_stage(cfg, path, stage):
+    """Run a stage to completion under its launcher; return (manifest, out_dir, output)."""
+    proc = launch(cfg, path, stage)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-5000:]
+    out_dir = locate(cfg, stage)[0]
+    return read_manifest(out_dir), out_dir, out
+
+
+def kill_after_checkpoint(cfg, path, stage, step: int) -> Path:
+    """Start the stage, SIGKILL its whole process group once step `step` is checkpointed."""
+    out_dir = locate(cfg, stage)[0]
+    marker = out_dir / "checkpoints" / f"step-{step:08d}" / "complete.json"
+    proc = launch(cfg, path, stage)
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert proc.poll() is None, f"{stage} ended before its step-{step} checkpoint:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert read_manifest(out_dir) is None
+    return out_dir
+
+
+def copy_store(src_root: Path, dst_root: Path, *stages):
+    """Reuse finished upstream stages in another root (fingerprints do not depend on run.root)."""
+    for stage in stages:
+        shutil.copytree(src_root / "store" / stage, dst_root / "store" / stage, dirs_exist_ok=True)
+
+
+def logged(out_dir: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]

@@ -1,0 +1,62 @@
+"""PPO pieces against values worked out by hand (see the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from model.losses import (AdaptiveKLController, gae, kl_per_token, ppo_policy_loss, ppo_value_loss, token_rewards,
+                          whiten)
+
+
+def test_gae_by_hand():
+    # gamma=1, lam=0.5; deltas 0.1, 0.1, 0.3 -> A2=0.3, A1=0.1+0.5*0.3=0.25, A0=0.1+0.5*0.25=0.225
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]])
+    adv, ret = gae(rewards, values, torch.ones(1, 3), gamma=1.0, lam=0.5)
+    assert adv.tolist()[0] == pytest.approx([0.225, 0.25, 0.3])
+    assert ret.tolist()[0] == pytest.approx([0.725, 0.85, 1.0])
+
+
+def test_gae_stops_at_the_response_end():
+    # the last token is padding: V after the response is 0; delta1 = 1 - 0.6 = 0.4, A0 = 0.1 + 0.5*0.4
+    adv, _ = gae(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.6, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]]),
+                 gamma=1.0, lam=0.5)
+    assert adv.tolist()[0] == pytest.approx([0.3, 0.4, 0.0])
+
+
+def test_policy_loss_clips_by_hand():
+    # ratios 1.5 and 0.5 with advantages +1 and -1, clip 0.2: both clipped terms taken -> (-1.2 + 0.8) / 2
+    logp = torch.log(torch.tensor([[1.5, 0.5]]))
+    loss, clip_frac = ppo_policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), 0.2)
+    assert loss.item() == pytest.approx(-0.2) and clip_frac.item() == 1.0
+    loss, clip_frac = ppo_policy_loss(torch.log(torch.tensor([[1.1]])), torch.zeros(1, 1), torch.ones(1, 1),
+                                      torch.ones(1, 1), 0.2)
+    assert loss.item() == pytest.approx(-1.1) and clip_frac.item() == 0.0
+
+
+def test_value_loss_by_hand():
+    # V=1 from V_old=0.5 clipped to 0.7; return 2: max(1, 1.69) / 2
+    loss = ppo_value_loss(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]), torch.ones(1, 1), 0.2)
+    assert loss.item() == pytest.approx(0.845)
+
+
+def test_kl_and_token_rewards_by_hand():
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.5]])
+    assert kl_per_token(logp, ref).tolist() == [[0.5, -0.5]]
+    r = token_rewards(torch.tensor([2.0]), logp, ref, torch.ones(1, 2), kl_coef=0.1)
+    assert r.tolist()[0] == pytest.approx([-0.05, 2.05])
+
+
+def test_whiten_by_hand():
+    out = whiten(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    s = math.sqrt(2 / 3)
+    assert out.tolist() == pytest.approx([-1 / s, 0.0, 1 / s, 0.0], rel=1e-5)
+
+
+def test_adaptive_kl_controller_by_hand():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    ctl.update(12.0, n_steps=256)  # error clipped to +0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 256 / 10000))
+    fixed = AdaptiveKLController(0.1, target=None, horizon=10000)
+    fixed.update(100.0, 256)
+    assert fixed.value == 0.1

@@ -1,0 +1,152 @@
+"""The pipeline as its users drive it from Prefect: a served deployment (`gptforge serve`) on a Prefect
+test server, runs started with custom parameters, a config typo, cancellation, reuse, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.entry import locate
+
+from tests.helpers import config
+
+pytestmark = pytest.mark.slow
+DEPLOYMENT = "gptforge-pipeline/gptforge-test"
+PIPE = ["sft.enabled=false", "reward.enabled=false", "preference.enabled=false"]
+
+
+def stage_pids(marker: str) -> list[int]:
+    """Processes whose command line mentions `marker` (the test's run root)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "cmdline").read_bytes().decode(errors="replace") and int(d.name) != os.getpid():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def served(prefect_server, tmp_path_factory):
+    """`gptforge serve` in a subprocess, pointed at the test server."""
+    from prefect.settings import PREFECT_API_URL
+
+    root = tmp_path_factory.mktemp("served")
+    cfg, path = config(root, *PIPE)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "-c", str(path), "--name", "gptforge-test"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    from prefect.client.orchestration import get_client
+
+    deadline = time.time() + 120
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                client.read_deployment_by_name(DEPLOYMENT)
+                break
+            except Exception:  # not registered yet
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+                time.sleep(1)
+    yield cfg
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+def start(cfg, **kw):
+    from prefect.deployments import run_deployment
+
+    return run_deployment(DEPLOYMENT, parameters={"config": json.loads(json.dumps(cfg.model_dump(mode="json"))), **kw},
+                          timeout=0)
+
+
+def wait(flow_run, timeout=600):
+    from prefect.client.orchestration import get_client
+
+    deadline = time.time() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_flow_run(flow_run.id).state
+            if state.is_final():
+                return state
+            assert time.time() < deadline, f"flow run still {state.name}"
+            time.sleep(1)
+
+
+def run_json(cfg) -> dict:
+    return json.loads((Path(cfg.run.root) / cfg.run.name / "run.json").read_text())
+
+
+def test_run_with_custom_parameters_then_reuse(served, tmp_path):
+    cfg, _ = config(tmp_path, *PIPE, "pretrain.max_steps=6", "run.name=custom")
+    assert wait(start(cfg)).is_completed()
+    record = run_json(cfg)
+    assert {s: i["action"] for s, i in record["stages"].items()} == {"tokenize": "computed", "pretrain": "computed"}
+    assert record["stages"]["pretrain"]["metrics"]["global_step"] == 6  # the custom parameter took effect
+    assert (Path(cfg.run.root) / "custom" / "report.md").is_file()
+    t0 = time.time()
+    assert wait(start(cfg)).is_completed()
+    assert {i["action"] for i in run_json(cfg)["stages"].values()} == {"reused"}
+    print(f"rerun with nothing changed: {time.time() - t0:.1f}s")
+
+
+def test_config_typo_fails_before_any_stage(served, tmp_path):
+    cfg, _ = config(tmp_path, *PIPE)
+    params = json.loads(json.dumps(cfg.model_dump(mode="json")))
+    params["pretrain"]["lrr"] = 1.0
+    from prefect.deployments import run_deployment
+
+    try:
+        state = wait(run_deployment(DEPLOYMENT, parameters={"config": params}, timeout=0), timeout=120)
+        assert state.is_failed()
+    except Exception as e:  # the server refuses parameters that do not match the schema
+        assert "lrr" in str(e) or "extra" in str(e).lower()
+    assert not (Path(cfg.run.root) / "store").exists()
+
+
+def test_cancel_kills_every_stage_process(served, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    cfg, _ = config(tmp_path, *PIPE, "pretrain.max_steps=100000", "pretrain.save_every=100000")
+    run = start(cfg)
+    marker = str(tmp_path)
+    deadline = time.time() + 300
+    while not any("stages.pretrain" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                  for p in stage_pids(marker) if Path(f"/proc/{p}").exists()):
+        assert time.time() < deadline, "pretrain never started"
+        time.sleep(0.5)
+    time.sleep(5)  # let the ranks get into training
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+    deadline = time.time() + 60
+    while stage_pids(marker):
+        assert time.time() < deadline, f"stage processes still alive: {stage_pids(marker)}"
+        time.sleep(0.5)
+    assert wait(run, 120).is_cancelled()
+
+
+def test_killed_stage_is_resumed_by_the_retry(served, tmp_path):
+    cfg, _ = config(tmp_path, *PIPE, "pretrain.max_steps=60", "pretrain.save_every=10", "run.retries=1",
+                    "run.retry_delay=0")
+    run = start(cfg)
+    ckpt = locate(cfg, "pretrain")[0] / "checkpoints" / "step-00000010" / "complete.json"
+    deadline = time.time() + 300
+    while not ckpt.exists():
+        assert time.time() < deadline
+        time.sleep(0.1)
+    for pid in stage_pids("stages.pretrain"):
+        if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert wait(run).is_completed()
+    record = run_json(cfg)["stages"]["pretrain"]
+    assert record["action"] == "resumed" and record["metrics"]["global_step"] == 60
