@@ -27,7 +27,8 @@ from model.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, wh
 from pipeline.config import load_config  # noqa: E402
 from pipeline.entry import locate  # noqa: E402
 from pipeline.store import read_manifest  # noqa: E402
-from stages.ppo import build_critic, critic_values, left_pad, policy_logprobs, rollout  # noqa: E402
+from data.chat import left_pad, prompt_ids  # noqa: E402
+from stages.ppo import build_critic, critic_values, policy_logprobs, rollout  # noqa: E402
 
 
 def timed(fn):
@@ -52,7 +53,6 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(sft_dir / "model")
     actor = AutoModelForCausalLM.from_pretrained(sft_dir / "model").eval()
     prompts = [pp["prompt"] for pp in loaders.preference_pairs(cfg.data).train[:args.prompts]]
-    from data.chat import prompt_ids
 
     ids, attention = left_pad([prompt_ids(tokenizer, pr) for pr in prompts], tokenizer.pad_token_id)
 

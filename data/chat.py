@@ -95,3 +95,14 @@ def prompt_ids(tokenizer, prompt: list[dict]) -> list[int]:
     """The prompt in the chat template, ending with the assistant header (generation prompt)."""
     return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
                                               return_dict=True)["input_ids"])
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded batch for generation: input_ids (B, T) and attention_mask (B, T)."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r):] = torch.tensor(r)
+        mask[i, T - len(r):] = 1
+    return ids, mask

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from data.chat import prompt_ids
+from data.chat import left_pad, prompt_ids
 
 
 def stop_ids(model) -> set[int]:
@@ -22,13 +22,8 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, b
     stops, pad = stop_ids(model), tokenizer.pad_token_id
     responses = []
     for i in range(0, len(prompts), batch_size):
-        encoded = [prompt_ids(tokenizer, p) for p in prompts[i:i + batch_size]]
-        T = max(len(e) for e in encoded)
-        ids = torch.full((len(encoded), T), pad, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        for j, e in enumerate(encoded):
-            ids[j, T - len(e):] = torch.tensor(e)
-            attention[j, T - len(e):] = 1
+        ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts[i:i + batch_size]], pad)
+        T = ids.shape[1]
         out = model.generate(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
                              max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                              eos_token_id=list(stops), use_cache=True, **sampling)
@@ -117,13 +112,17 @@ def check_same_vocabulary(a, b, what: str) -> None:
                         "the policy, reference and reward model must share one tokenizer")
 
 
-def report_from_dirs(policy_dir: Path, sft_dir: Path, reward_dir: Path, items: list[dict], max_new_tokens: int,
-                     seed: int) -> dict:
-    """preference_report on the exported policy, the SFT model and the reward model."""
+def preference_metrics(cfg, stage: str, policy_dir: Path, sft_dir: Path, reward_dir: Path) -> dict:
+    """preference_report of an exported policy against the SFT model, judged by the reward model, on the
+    held-out items of the config's data."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    return preference_report(AutoModelForCausalLM.from_pretrained(policy_dir),
-                             AutoModelForCausalLM.from_pretrained(sft_dir),
-                             AutoModelForSequenceClassification.from_pretrained(reward_dir),
-                             tokenizer, items, max_new_tokens, seed)
+    from data.loaders import eval_items
+
+    items = eval_items(cfg.data)[:cfg.eval.items]
+    metrics = preference_report(AutoModelForCausalLM.from_pretrained(policy_dir),
+                                AutoModelForCausalLM.from_pretrained(sft_dir),
+                                AutoModelForSequenceClassification.from_pretrained(reward_dir),
+                                AutoTokenizer.from_pretrained(policy_dir), items, cfg.eval.max_new_tokens, cfg.run.seed)
+    print(f"[{stage}] {metrics}", flush=True)
+    return metrics

@@ -85,7 +85,7 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
 
     from data import loaders
     from model import train as T
-    from model.evaluate import check_same_vocabulary, report_from_dirs
+    from model.evaluate import check_same_vocabulary, preference_metrics
     from pipeline.errors import ConfigError
 
     pc, dist = cfg.preference, cfg.distributed
@@ -112,9 +112,6 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     T.barrier()
     metrics = {"global_step": trainer.state.global_step}
     if rank == 0:
-        items = loaders.eval_items(cfg.data)[:cfg.eval.items]
-        metrics.update(report_from_dirs(out_dir / "model", sft_dir, reward_dir, items, cfg.eval.max_new_tokens,
-                                        cfg.run.seed))
-        print(f"[{stage}] {metrics}", flush=True)
+        metrics.update(preference_metrics(cfg, stage, out_dir / "model", sft_dir, reward_dir))
     T.barrier()
     return metrics

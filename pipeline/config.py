@@ -161,7 +161,8 @@ class PreferenceSection(TrainSection):
         "dpo", description="Alignment algorithm(s); each runs as its own stage.")
     lr: float = Field(5e-5, gt=0, description="Peak learning rate (AdamW).")
     beta: float = Field(0.1, gt=0, description="KL strength (DPO beta, PPO initial KL coefficient).")
-    loss_type: str = Field("sigmoid", description="DPO loss type (sigmoid, ipo, hinge, robust, ...).")
+    loss_type: str | list[str] = Field("sigmoid", description="DPO loss type (sigmoid, ipo, hinge, robust, ...), or a "
+                                       "list combined with equal weights (e.g. [sigmoid, sft] for RPO).")
     max_length: int = Field(96, ge=8, description="Maximum tokens per prompt+response.")
     max_new_tokens: int = Field(8, ge=1, description="Response length for on-policy sampling.")
     ppo_epochs: int = Field(2, ge=1, description="PPO passes over each rollout batch.")

@@ -14,7 +14,7 @@ from pathlib import Path
 from data import loaders
 from model import hf_trainer as H
 from model import train as T
-from model.evaluate import check_same_vocabulary, report_from_dirs
+from model.evaluate import check_same_vocabulary, preference_metrics
 from pipeline.config import PipelineConfig
 from pipeline.entry import stage_main
 from pipeline.errors import DataError
@@ -46,7 +46,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         raise DataError(f"too few usable preference pairs for DPO: {len(train)}")
 
     args = DPOConfig(**H.trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
-                     loss_type=[pc.loss_type], max_length=pc.max_length)
+                     loss_type=[pc.loss_type] if isinstance(pc.loss_type, str) else pc.loss_type, max_length=pc.max_length)
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(sft_dir), ref_model=None, args=args,
                          train_dataset=train, processing_class=tokenizer,
                          callbacks=[H.JsonlMetrics(out_dir / "logs" / "metrics.jsonl")])
@@ -55,10 +55,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     T.barrier()
     metrics = {"global_step": trainer.state.global_step}
     if rank == 0:
-        items = loaders.eval_items(cfg.data)[:cfg.eval.items]
-        metrics.update(report_from_dirs(out_dir / "model", sft_dir, reward_dir, items, cfg.eval.max_new_tokens,
-                                        cfg.run.seed))
-        print(f"[dpo] {metrics}", flush=True)
+        metrics.update(preference_metrics(cfg, "dpo", out_dir / "model", sft_dir, reward_dir))
     T.barrier()
     return metrics
 

@@ -20,10 +20,10 @@ import torch
 from tqdm import tqdm
 
 from data import loaders
-from data.chat import prompt_ids
+from data.chat import left_pad, prompt_ids
 from data.loader import DistributedOrder
 from model import train as T
-from model.evaluate import check_same_vocabulary, report_from_dirs, reward_scores, stop_ids
+from model.evaluate import check_same_vocabulary, preference_metrics, reward_scores, stop_ids
 from model.losses import (AdaptiveKLController, gae, kl_per_token, masked_mean, ppo_policy_loss, ppo_value_loss,
                           token_rewards, whiten)
 from pipeline.config import PipelineConfig
@@ -33,16 +33,6 @@ from pipeline.errors import DataError, UserError
 OUTPUTS = {"model": "model"}
 
 
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    T_ = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T_), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, T_ - len(r):] = torch.tensor(r)
-        mask[i, T_ - len(r):] = 1
-    return ids, mask
-
-
 @torch.no_grad()
 def rollout(actor, tokenizer, prompts, pc, device, synced: bool):
     """Sample one response per prompt. Returns sequences (B, P+R), attention (B, P+R), the response mask
@@ -50,7 +40,7 @@ def rollout(actor, tokenizer, prompts, pc, device, synced: bool):
     ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
     stops = stop_ids(actor)
     out = actor.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=True,
-                         temperature=pc.temperature, top_k=pc.top_k or None, top_p=pc.top_p,
+                         temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
                          max_new_tokens=pc.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=list(stops), use_cache=True, synced_gpus=synced)
     P = ids.shape[1]
@@ -204,10 +194,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     metrics = {"global_step": step, "bad_steps": bad_steps, "kl_coef": kl_ctl.value}
     if rank == 0:
         T.export_hf(actor_engine.module, state_dict, tokenizer, out_dir / "model", list(stop_ids(ref)))
-        items = loaders.eval_items(cfg.data)[:cfg.eval.items]
-        metrics.update(report_from_dirs(out_dir / "model", sft_dir, reward_dir, items, cfg.eval.max_new_tokens,
-                                        cfg.run.seed))
-        print(f"[ppo] {metrics}", flush=True)
+        metrics.update(preference_metrics(cfg, "ppo", out_dir / "model", sft_dir, reward_dir))
     T.barrier()
     return metrics
 

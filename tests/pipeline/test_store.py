@@ -93,3 +93,11 @@ def test_corrupted_output_is_not_complete(small_cfg):
     assert read_manifest(out_dir) is None
     os.remove(out_dir / "model" / "weights.bin")
     assert read_manifest(out_dir) is None
+
+
+def test_demo_parts_fingerprint_separately(small_cfg):
+    base = fingerprints(small_cfg())
+    pairs = fingerprints(small_cfg("data.demo.preference_pairs=123"))
+    assert [s for s in base if base[s] != pairs[s]] == ["reward", "dpo"]
+    corpus = fingerprints(small_cfg("data.demo.pretrain_docs=1234"))
+    assert all(base[s] != corpus[s] for s in base)
