@@ -38,6 +38,11 @@ def setup_distributed() -> tuple[int, int, torch.device]:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     import deepspeed
 
+    if not cuda:
+        # DeepSpeed's shared-memory all-reduce op serves its inference all-reduce only. Its JIT build
+        # (once per machine) holds a file lock that a run killed meanwhile leaves behind, and every later
+        # run then waits on it forever. Training does not use it: gloo does the reductions.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)

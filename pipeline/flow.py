@@ -6,8 +6,6 @@ before a stage starts: a complete output with the stage's fingerprint (and intac
 otherwise the stage runs, resuming from its own step checkpoints if it has any.
 """
 
-from __future__ import annotations
-
 import fcntl
 import shutil
 import time

@@ -69,8 +69,16 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     previous = None
+
+    def on_sigterm(signum, frame):
+        # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it.
+        kill_group(proc)
+        if callable(previous):
+            previous(signum, frame)  # Prefect's own handler marks the run cancelled
+        raise Terminated("terminated")
+
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
     last_progress = 0.0
     buf = b""
     try:
@@ -100,10 +108,6 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
 
 class Terminated(BaseException):
     """SIGTERM received while a stage was running."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated("terminated")
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

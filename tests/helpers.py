@@ -49,9 +49,9 @@ def tokenize_in_process(cfg):
     execute(cfg, "tokenize", tokenize.run, tokenize.OUTPUTS)
 
 
-def launch(cfg, path, stage) -> subprocess.Popen:
+def launch(cfg, path, stage, stdout=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen(stage_command(cfg, stage, path), cwd=ROOT, env={**os.environ, **stage_env()},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def run_stage(cfg, path, stage):
@@ -67,14 +67,16 @@ def kill_after_checkpoint(cfg, path, stage, step: int) -> Path:
     """Start the stage, SIGKILL its whole process group once step `step` is checkpointed."""
     out_dir = locate(cfg, stage)[0]
     marker = out_dir / "checkpoints" / f"step-{step:08d}" / "complete.json"
-    proc = launch(cfg, path, stage)
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert proc.poll() is None, f"{stage} ended before its step-{step} checkpoint:\n{proc.stdout.read()[-3000:]}"
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    log = Path(path).with_name(f"{stage}-killed.log")
+    with open(log, "w") as out:  # a file, not a pipe: nobody reads while we wait
+        proc = launch(cfg, path, stage, stdout=out)
+        deadline = time.time() + 600
+        while not marker.exists():
+            assert proc.poll() is None, f"{stage} ended before its step-{step} checkpoint:\n{log.read_text()[-3000:]}"
+            assert time.time() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert read_manifest(out_dir) is None
     return out_dir
 
