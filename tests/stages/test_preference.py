@@ -1,4 +1,4 @@
-"""Real 2-process preference stages on the tiny SFT policy and reward model: DPO (TRL, ZeRO-3), PPO (ours:
+"""Real 2-process preference stages on the tiny SFT policy and reward model: DPO (TRL, ZeRO-2), PPO (ours:
 exact resume after SIGKILL, NaN handling), GRPO and RLOO (TRL)."""
 
 import json
@@ -23,7 +23,9 @@ REPORT = {"exact_match", "sft_exact_match", "win_rate_vs_sft", "reward_mean", "k
 def changed_from_sft(chain, out_dir) -> bool:
     sft = load_file(chain["sft"][1] / "model" / "model.safetensors")
     tuned = load_file(out_dir / "model" / "model.safetensors")
-    return sft.keys() == tuned.keys() and any(not torch.equal(sft[k], tuned[k]) for k in sft)
+    common = sft.keys() & tuned.keys()  # a gathered ZeRO-3 export may also list the tied lm_head
+    assert (sft.keys() | tuned.keys()) - common <= {"lm_head.weight"}
+    return any(not torch.equal(sft[k], tuned[k]) for k in common)
 
 
 def prepared(chain, tmp_path, *overrides):
@@ -32,8 +34,8 @@ def prepared(chain, tmp_path, *overrides):
     return cfg, path
 
 
-def test_dpo_zero3(chain, tmp_path):
-    cfg, path = prepared(chain, tmp_path, "preference.algorithm=dpo", "distributed.zero_stage=3",
+def test_dpo_zero2(chain, tmp_path):
+    cfg, path = prepared(chain, tmp_path, "preference.algorithm=dpo", "distributed.zero_stage=2",
                          "preference.max_steps=4", "preference.loss_type=ipo")
     manifest, out_dir, out = run_stage(cfg, path, "dpo")
     m = manifest["metrics"]

@@ -25,7 +25,8 @@ def test_sft_trains_and_evaluates(chain):
     assert 0 <= m["exact_match"] <= 1 and 0 <= m["base_exact_match"] <= 1 and m["val_loss"] > 0
     base = load_file(chain["pretrain"][1] / "model" / "model.safetensors")
     tuned = load_file(out_dir / "model" / "model.safetensors")
-    assert base.keys() == tuned.keys()  # ZeRO-3 partitions consolidated into a whole model
+    # ZeRO-3 partitions consolidated into a whole model (the tied lm_head may be listed as well)
+    assert set(base) <= set(tuned) and set(tuned) - set(base) <= {"lm_head.weight"}
     assert any(not torch.equal(base[k], tuned[k]) for k in base)
 
 
