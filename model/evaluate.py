@@ -126,3 +126,13 @@ def preference_metrics(cfg, stage: str, policy_dir: Path, sft_dir: Path, reward_
                                 AutoTokenizer.from_pretrained(policy_dir), items, cfg.eval.max_new_tokens, cfg.run.seed)
     print(f"[{stage}] {metrics}", flush=True)
     return metrics
+
+
+def policy_and_judge(inputs: dict[str, Path]):
+    """The SFT model dir, the reward model dir and their tokenizers, checked to share one vocabulary."""
+    from transformers import AutoTokenizer
+
+    sft_dir, reward_dir = inputs["sft"] / "model", inputs["reward"] / "model"
+    tokenizer, reward_tokenizer = AutoTokenizer.from_pretrained(sft_dir), AutoTokenizer.from_pretrained(reward_dir)
+    check_same_vocabulary(tokenizer, reward_tokenizer, f"reward model {reward_dir}")
+    return sft_dir, reward_dir, tokenizer, reward_tokenizer

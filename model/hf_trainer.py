@@ -81,19 +81,16 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     """GRPO or RLOO with TRL: sample num_generations completions per prompt, reward them with the trained
     reward model (and optionally the demo verifier), update the policy against a group baseline."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from data import loaders
     from model import train as T
-    from model.evaluate import check_same_vocabulary, preference_metrics
+    from model.evaluate import policy_and_judge, preference_metrics
     from pipeline.errors import ConfigError
 
     pc, dist = cfg.preference, cfg.distributed
     rank, world, _ = T.setup_distributed()
-    sft_dir, reward_dir = inputs["sft"] / "model", inputs["reward"] / "model"
-    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    reward_tokenizer = AutoTokenizer.from_pretrained(reward_dir)
-    check_same_vocabulary(tokenizer, reward_tokenizer, f"reward model {reward_dir}")
+    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
     if pc.verifier_reward and cfg.data.preference != "demo":
         raise ConfigError("preference.verifier_reward needs data.preference: demo (the verifier knows demo answers)")
     pairs = loaders.preference_pairs(cfg.data).train

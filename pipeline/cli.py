@@ -26,10 +26,8 @@ def _quiet_prefect_env() -> None:
 
 
 def cmd_run(args) -> int:
-    cfg = load_config(args.config, args.set)  # config errors end here, before anything starts
-    if args.name:
-        args.set.append(f"run.name={args.name}")
-        cfg = load_config(args.config, args.set)
+    overrides = args.set + ([f"run.name={args.name}"] if args.name else [])
+    cfg = load_config(args.config, overrides)  # config errors end here, before anything starts
     _quiet_prefect_env()
     from pipeline.flow import pipeline_flow, selected_stages
 

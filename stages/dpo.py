@@ -14,7 +14,7 @@ from pathlib import Path
 from data import loaders
 from model import hf_trainer as H
 from model import train as T
-from model.evaluate import check_same_vocabulary, preference_metrics
+from model.evaluate import policy_and_judge, preference_metrics
 from pipeline.config import PipelineConfig
 from pipeline.entry import stage_main
 from pipeline.errors import DataError
@@ -32,14 +32,12 @@ def as_dataset(pairs: list[dict]):
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     pc, dist = cfg.preference, cfg.distributed
     rank, world, _ = T.setup_distributed()
-    sft_dir, reward_dir = inputs["sft"] / "model", inputs["reward"] / "model"
-    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(reward_dir), f"reward model {reward_dir}")
+    sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
     data = loaders.preference_pairs(cfg.data)
     train = as_dataset(data.train)
     if len(train) < pc.micro_batch_size * world:

@@ -23,7 +23,7 @@ from data import loaders
 from data.chat import left_pad, prompt_ids
 from data.loader import DistributedOrder
 from model import train as T
-from model.evaluate import check_same_vocabulary, preference_metrics, reward_scores, stop_ids
+from model.evaluate import policy_and_judge, preference_metrics, reward_scores, stop_ids
 from model.losses import (AdaptiveKLController, gae, kl_per_token, masked_mean, ppo_policy_loss, ppo_value_loss,
                           token_rewards, whiten)
 from pipeline.config import PipelineConfig
@@ -94,13 +94,11 @@ def all_finite(device, *tensors) -> bool:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     pc, dist = cfg.preference, cfg.distributed
     rank, world, device = T.setup_distributed()
-    sft_dir, reward_dir = inputs["sft"] / "model", inputs["reward"] / "model"
-    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(reward_dir), f"reward model {reward_dir}")
+    sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
     prompts = list({str(p["prompt"]): p["prompt"] for p in loaders.preference_pairs(cfg.data).train}.values())
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
