@@ -3,6 +3,7 @@ checkpoints with exact-resume state, the metrics log, and Hugging Face export.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -105,7 +106,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def warmup_cosine(train):
     """lr multiplier at a step: linear warmup, then cosine decay to min_lr/lr at max_steps."""
-    floor = train.min_lr / train.lr
+    floor = min(1.0, train.min_lr / train.lr)  # never decay upwards
 
     def factor(step: int) -> float:
         if step < train.warmup_steps:
@@ -121,22 +122,37 @@ def init_engine(model, train, dist, world: int, device: torch.device):
     Returns (engine, scheduler, gradient accumulation steps)."""
     import deepspeed
 
-    from pipeline.errors import UserError
-
     config = deepspeed_config(dist, train, world, device)
-    try:
+    with startup_oom(dist, train):
         engine, _, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, train.weight_decay), config=config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(train)))
-    except torch.OutOfMemoryError as e:
-        raise UserError(startup_oom_message(dist, train, e)) from None
     return engine, scheduler, config["gradient_accumulation_steps"]
 
 
-def startup_oom_message(dist, train, err: BaseException) -> str:
-    return (f"out of memory at start-up ({err.__class__.__name__}) with distributed.zero_stage={dist.zero_stage}, "
-            f"distributed.offload_optimizer={dist.offload_optimizer}, micro_batch_size={train.micro_batch_size}; "
-            "raise the ZeRO stage, turn on offload_optimizer or activation_checkpointing, or lower micro_batch_size")
+def is_oom(err: BaseException) -> bool:
+    """A GPU out-of-memory error, or the CPU allocator's."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
+@contextlib.contextmanager
+def startup_oom(dist, train, active: bool = True):
+    """Running out of memory inside the block (engine set-up, the first step) ends the stage with one
+    message naming the settings to change, instead of an allocator traceback."""
+    from pipeline.errors import UserError
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not (active and is_oom(e)):
+            raise
+        name = type(train).__name__.removesuffix("Section").lower()  # the config section: pretrain, sft, ...
+        raise UserError(
+            f"out of memory at start-up ({e.__class__.__name__}) with distributed.zero_stage={dist.zero_stage}, "
+            f"distributed.offload_optimizer={dist.offload_optimizer}, {name}.micro_batch_size={train.micro_batch_size}; "
+            "raise distributed.zero_stage, set distributed.offload_optimizer or distributed.activation_checkpointing, "
+            f"or lower {name}.micro_batch_size") from None
 
 
 # --- step checkpoints ----------------------------------------------------------------------------

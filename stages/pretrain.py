@@ -83,14 +83,16 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     def mfu_of(tps: float) -> float | None:  # model FLOPs utilisation over all ranks
         return flops_tok * tps / (peak * world) if peak else None
 
+    first_step = step
     while step < pc.max_steps:
         t0 = time.perf_counter()
         step_loss = 0.0
         for _ in range(grad_accum):
             x, y = loader.next()  # (B, T), (B, T)
-            loss = causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device))
-            engine.backward(loss)
-            engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
+            with T.startup_oom(dist, pc, active=step == first_step):
+                loss = causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device))
+                engine.backward(loss)
+                engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
             step_loss += loss.item() / grad_accum
         step += 1
         steps_timed += 1

@@ -93,3 +93,33 @@ def test_shards_from_another_tokenizer_are_a_clear_error(zero2, tmp_path):
 def test_other_launchers_run_two_processes(tmp_path, launcher):
     manifest, _, _ = pretrain(tmp_path, f"distributed.launcher={launcher}", "pretrain.max_steps=4")
     assert manifest["world_size"] == 2 and manifest["metrics"]["global_step"] == 4
+
+
+def test_out_of_memory_at_start_up_names_the_settings_to_change(tmp_path):
+    """The allocator failing in the first step (simulated: the CPU allocator's error from the model's
+    forward) ends the stage with one message naming the ZeRO stage, offload and micro-batch settings."""
+    from pipeline.entry import locate
+    from pipeline.store import read_manifest
+    from tests.conftest import ROOT
+
+    cfg, path = config(tmp_path, "distributed.nproc_per_node=1", "pretrain.global_batch_size=16")
+    tokenize_in_process(cfg)
+    script = tmp_path / "oom.py"
+    script.write_text(
+        "import sys, runpy\n"
+        "from transformers import GPT2LMHeadModel\n"
+        "def forward(self, *a, **k):\n"
+        "    raise RuntimeError('[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can\\'t allocate memory: '\n"
+        "                       'you tried to allocate 68719476736 bytes')\n"
+        "GPT2LMHeadModel.forward = forward\n"
+        "runpy.run_module('stages.pretrain', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, str(script), "--config", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    error = [line.split("error: ", 1)[1] for line in proc.stderr.splitlines() if "error: " in line]  # after tqdm's \r
+    assert len(error) == 1, proc.stderr[-3000:]
+    for key in ("out of memory at start-up", "distributed.zero_stage=2", "distributed.offload_optimizer=False",
+                "pretrain.micro_batch_size=", "distributed.activation_checkpointing"):
+        assert key in error[0], error[0]
+    assert "Traceback" not in proc.stderr
+    assert read_manifest(locate(cfg, "pretrain")[0]) is None  # nothing marked complete
