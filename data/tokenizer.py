@@ -23,10 +23,21 @@ CHAT_TEMPLATE = (
 )
 
 
+# Pre-tokenization of GPT-4's cl100k and Llama 3: words keep their leading space, but numbers are
+# chunks of at most three digits with no space attached, so a number is the same token wherever it
+# stands ("Which is larger, 89 or 3?" and the answer "89" share the token "89").
+SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, special_tokens: list[str]) -> Tokenizer:
-    """Train a byte-level BPE (GPT-2 pre-tokenization: digit runs, words and spaces split apart)."""
+    """Train a byte-level BPE with the pre-tokenization above."""
+    from tokenizers import Regex
+
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(special_tokens),

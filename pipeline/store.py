@@ -18,6 +18,9 @@ from data.loaders import source_fingerprint
 from pipeline.config import PipelineConfig, pipeline_stages
 
 STORE_VERSION = 1
+# Bumped when a stage's code changes what it computes from the same config and inputs (1 if absent),
+# so that its stored outputs, and those downstream, are recomputed rather than reused.
+CODE_VERSIONS = {"tokenize": 2}  # 2: numbers pre-tokenized apart from the space before them
 ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
 UPSTREAM = {"tokenize": (), "pretrain": ("tokenize",), "sft": ("pretrain",), "reward": ("sft",),
             **{a: ("sft", "reward") for a in ALGORITHMS}}
@@ -53,7 +56,8 @@ def fingerprints(cfg: PipelineConfig, stages: list[str] | None = None) -> dict[s
     for stage in stages or pipeline_stages(cfg):
         data = DATA_OF.get(stage)
         out[stage] = _hash({
-            "stage": stage, "store_version": STORE_VERSION, "config": stage_config(cfg, stage),
+            "stage": stage, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(stage, 1),
+            "config": stage_config(cfg, stage),
             "inputs": {up: out[up] for up in UPSTREAM[stage]},
             "data": source_fingerprint(cfg.data, data) if data else None,
         })

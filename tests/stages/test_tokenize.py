@@ -69,3 +69,16 @@ def test_dtype_and_shard_rollover(tmp_path):
     w.close()
     assert [s["tokens"] for s in w.shards] == [5, 5, 2]
     assert np.fromfile(tmp_path / "train-00002.bin", dtype=np.uint32).tolist() == [10, 11]
+
+
+def test_a_number_is_one_token_wherever_it_stands():
+    """Numbers are pre-tokenized apart from the space before them, so the answer of "Which is larger,
+    89 or 3?" is the very token of the question's 89 (GPT-2's pre-tokenization makes it " 89" there)."""
+    from data.tokenizer import train_bpe
+
+    texts = [f"Which is larger, {a} or {b}?\n{max(a, b)}" for a in range(100) for b in range(0, 100, 7)]
+    tok = train_bpe(texts, 400, 2, ["<|endoftext|>"])
+    question, answer = tok.encode("Which is larger, 89 or 3?"), tok.encode("89")
+    assert len(answer.ids) == 1 and answer.ids[0] in question.ids
+    assert tok.decode(question.ids) == "Which is larger, 89 or 3?"
+    assert [w for w, _ in tok.pre_tokenizer.pre_tokenize_str("1234")] == ["123", "4"]  # 3 digits at most, as cl100k
