@@ -10,14 +10,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from pipeline.errors import ConfigError
 
 # ChatML with {% generation %} markers, so `return_assistant_tokens_mask=True` gives the
-# assistant-only loss mask. START/END are replaced by the configured special tokens.
+# assistant-only loss mask. START/END are replaced by the configured special tokens. The newline
+# after an assistant's END is inside the marked span: every token of an assistant turn is trained,
+# so a preference trainer scoring the whole turn never meets a token the model was not taught.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- 'START' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"
-    "{%- generation %}{{- message['content'] + 'END' }}{%- endgeneration %}"
-    "{%- else %}{{- message['content'] + 'END' }}{%- endif %}"
-    "{{- '\\n' }}"
+    "{%- generation %}{{- message['content'] + 'END' + '\\n' }}{%- endgeneration %}"
+    "{%- else %}{{- message['content'] + 'END' + '\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- 'START' + 'assistant\\n' }}{%- endif %}"
 )

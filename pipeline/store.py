@@ -20,7 +20,9 @@ from pipeline.config import PipelineConfig, pipeline_stages
 STORE_VERSION = 1
 # Bumped when a stage's code changes what it computes from the same config and inputs (1 if absent),
 # so that its stored outputs, and those downstream, are recomputed rather than reused.
-CODE_VERSIONS = {"tokenize": 2}  # 2: numbers pre-tokenized apart from the space before them
+# tokenize 2: numbers pre-tokenized apart from the space before them; 3: the newline after an
+# assistant turn inside its generation span.
+CODE_VERSIONS = {"tokenize": 3}
 ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
 UPSTREAM = {"tokenize": (), "pretrain": ("tokenize",), "sft": ("pretrain",), "reward": ("sft",),
             **{a: ("sft", "reward") for a in ALGORITHMS}}

@@ -23,9 +23,9 @@ def test_assistant_only_labels_by_hand(tokenizer):
     (ids, labels), = encode_conversations(tokenizer, [conv], 64, True, "skip").examples
     text = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nyes<|im_end|>\n"
     assert ids == tokenizer(text)["input_ids"]
-    answer = tokenizer("yes<|im_end|>")["input_ids"]
+    answer = tokenizer("yes<|im_end|>\n")["input_ids"]
     head = len(tokenizer("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
-    assert labels == [IGNORE] * head + answer + [IGNORE]  # the trailing newline is not trained
+    assert labels == [IGNORE] * head + answer  # the whole assistant turn, its closing newline included
     (_, full), = encode_conversations(tokenizer, [conv], 64, False, "skip").examples
     assert full == ids
 

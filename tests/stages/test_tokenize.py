@@ -59,7 +59,7 @@ def test_chat_template_marks_assistant_tokens(small_cfg):
     msgs = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
     out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     marked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
-    assert tok.decode(marked) == "5<|im_end|>"
+    assert tok.decode(marked) == "5<|im_end|>\n"
 
 
 def test_dtype_and_shard_rollover(tmp_path):
