@@ -71,13 +71,13 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
     previous = None
 
     def on_sigterm(signum, frame):
-        # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it.
-        kill_group(proc)
-        if callable(previous):
-            previous(signum, frame)  # Prefect's own handler marks the run cancelled
-        raise Terminated("terminated")
+        raise Terminated("terminated")  # unwinds into the `except` below, which kills the group
 
-    if threading.current_thread() is threading.main_thread():
+    # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it. Inside a
+    # flow run Prefect's own handler is installed: it raises TerminationSignal here, which kills the group
+    # on its way out, and it must stay installed, or the runner's cancel is not acknowledged and the run
+    # ends Crashed instead of Cancelled. Without one, ours does the same.
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     last_progress = 0.0
     buf = b""

@@ -39,3 +39,39 @@ def test_accelerate_uses_deepspeed_with_world_size():
     assert "--use_deepspeed" in c and c[c.index("--num_processes") + 1] == "8"
     assert c[c.index("--zero_stage") + 1] == "3" and "--deepspeed_multinode_launcher" in c
     assert c[-4:] == ["-m", "stages.pretrain", "--config", "cfg.yaml"]
+
+
+def test_sigterm_kills_the_whole_stage_group(tmp_path):
+    """Outside Prefect, run_streaming's own handler kills the stage and its children on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import textwrap
+    import time
+    from pathlib import Path
+
+    from tests.pipeline.test_deployment import stage_pids
+
+    marker = str(tmp_path)
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', sys.argv[1]]); print('ready', flush=True); time.sleep(300)"
+    parent = tmp_path / "parent.py"
+    parent.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from pipeline.launch import run_streaming
+        run_streaming([sys.executable, "-c", {child!r}, {marker!r}], lambda line: print(line, flush=True))
+    """))
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(parent)], stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while "ready" not in log.read_text():
+            assert time.time() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert len(stage_pids(marker)) == 3  # parent.py, the stage and its child
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) != 0
+    deadline = time.time() + 15
+    while stage_pids(marker):
+        assert time.time() < deadline, f"still alive: {stage_pids(marker)}"
+        time.sleep(0.2)
