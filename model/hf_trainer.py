@@ -86,20 +86,18 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     from data import loaders
     from model import train as T
     from model.evaluate import policy_and_judge, preference_metrics
-    from pipeline.errors import ConfigError
 
     pc, dist = cfg.preference, cfg.distributed
     rank, world, _ = T.setup_distributed()
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
-    if pc.verifier_reward and cfg.data.preference != "demo":
-        raise ConfigError("preference.verifier_reward needs data.preference: demo (the verifier knows demo answers)")
     pairs = loaders.preference_pairs(cfg.data).train
     # The demo's chosen responses are the verified answers.
     train = Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])
     reward_funcs = [str(reward_dir)] + ([verifier] if pc.verifier_reward else [])
     args = config_cls(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=pc.num_generations, max_completion_length=pc.max_new_tokens,
-                      temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p)
+                      temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
+                      reward_weights=[pc.reward_model_weight] + ([pc.verifier_weight] if pc.verifier_reward else []))
     trainer = trainer_cls(model=AutoModelForCausalLM.from_pretrained(sft_dir), reward_funcs=reward_funcs, args=args,
                           train_dataset=train, processing_class=tokenizer,
                           reward_processing_classes=[reward_tokenizer] + ([None] if pc.verifier_reward else []),

@@ -160,6 +160,7 @@ class PreferenceSection(TrainSection):
     algorithm: Literal["dpo", "ppo", "grpo", "rloo"] | list[Literal["dpo", "ppo", "grpo", "rloo"]] = Field(
         "dpo", description="Alignment algorithm(s); each runs as its own stage.")
     lr: float = Field(5e-5, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of cosine decay (PPO; TRL decays to 0).")
     beta: float = Field(0.1, gt=0, description="KL strength (DPO beta, PPO initial KL coefficient).")
     loss_type: str | list[str] = Field("sigmoid", description="DPO loss type (sigmoid, ipo, hinge, robust, ...), or a "
                                        "list combined with equal weights (e.g. [sigmoid, sft] for RPO).")
@@ -174,7 +175,10 @@ class PreferenceSection(TrainSection):
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
     num_generations: int = Field(4, ge=2, description="GRPO/RLOO completions per prompt.")
-    verifier_reward: bool = Field(False, description="GRPO/RLOO: add a rule-based verifier of demo answers as a second reward.")
+    verifier_reward: bool = Field(False, description="PPO/GRPO/RLOO: add a rule-based verifier of demo answers (1 when "
+                                  "the response is the known answer) to the reward model's score.")
+    verifier_weight: float = Field(1.0, ge=0, description="Weight of the verifier reward.")
+    reward_model_weight: float = Field(1.0, ge=0, description="PPO/GRPO/RLOO: weight of the reward model's score.")
     max_bad_steps: int = Field(3, ge=0, description="Steps with a NaN/Inf reward or loss skipped before the stage fails.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for rollouts.")
     top_k: int = Field(0, ge=0, description="Top-k for rollouts (0 disables).")
@@ -212,6 +216,10 @@ class PipelineConfig(Section):
         for (up, up_s), (down, down_s) in zip(chain, chain[1:]):
             if down_s.enabled and not up_s.enabled:
                 raise ValueError(f"{down}.enabled is true but its input stage {up} is disabled ({up}.enabled=false)")
+        online = {"ppo", "grpo", "rloo"} & set(preference_algorithms(self))
+        if self.preference.enabled and self.preference.verifier_reward and online and self.data.preference != "demo":
+            raise ValueError(f"preference.verifier_reward needs data.preference: demo (the verifier knows the demo's "
+                             f"answers), not {self.data.preference!r}; set it to false for {', '.join(sorted(online))}")
         if self.pretrain.seq_len > self.model.arch().n_positions:
             raise ValueError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds the model context "
                              f"n_positions={self.model.arch().n_positions}")

@@ -4,7 +4,8 @@ frozen reference (SFT) and reward models; actor and critic are DeepSpeed engines
 
     deepspeed --num_gpus 2 -m stages.ppo --config configs/tiny.yaml --set preference.algorithm=ppo
 
-Each step: sample responses with the KV cache; score them with the reward model; per-token reward is
+Each step: sample responses with the KV cache; score them with the reward model (plus, with
+preference.verifier_reward, verifier_weight when the response is the demo item's answer); per-token reward is
 the score at the last token minus kl_coef * (log pi - log pi_ref) at every token (fixed or adaptive
 kl_coef); GAE advantages (whitened) and returns; then ppo_epochs passes of the clipped policy and value
 losses over minibatches. The losses, GAE and the KL estimate are in model/losses.py.
@@ -99,7 +100,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     pc, dist = cfg.preference, cfg.distributed
     rank, world, device = T.setup_distributed()
     sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
-    prompts = list({str(p["prompt"]): p["prompt"] for p in loaders.preference_pairs(cfg.data).train}.values())
+    # Each distinct prompt once; the demo's chosen response is its verified answer.
+    answers = {str(p["prompt"]): (p["prompt"], p["chosen"]) for p in loaders.preference_pairs(cfg.data).train}
+    prompts, answers = [p for p, _ in answers.values()], [a for _, a in answers.values()]
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
     if len(prompts) < per_rank * world:
@@ -129,7 +132,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
     while step < pc.max_steps:
         step += 1
-        batch = [prompts[i] for i in order.next_ids()]
+        ids = order.next_ids()
+        batch = [prompts[i] for i in ids]
         t0 = time.perf_counter()
         seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, pc, device, dist.zero_stage == 3)
         gen_seconds = time.perf_counter() - t0
@@ -138,7 +142,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             ref_logp, _ = policy_logprobs(ref, seqs, attention, P)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
-            score = torch.tensor(reward_scores(reward_model, tokenizer, batch, texts), device=device)
+            score = pc.reward_model_weight * torch.tensor(reward_scores(reward_model, tokenizer, batch, texts),
+                                                          device=device)
+            if pc.verifier_reward:
+                score += pc.verifier_weight * torch.tensor([float(t == answers[i]) for t, i in zip(texts, ids)],
+                                                           device=device)
             rewards = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
             advantages, returns = gae(rewards, old_values, mask.float(), pc.gamma, pc.lam)
             advantages = whiten(advantages, mask.float())

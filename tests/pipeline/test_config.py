@@ -42,10 +42,17 @@ def test_wrong_type_names_the_key():
     (["tokenizer.vocab_size=100"], r"vocab_size=100 is smaller than the byte alphabet"),
     (["pretrain.seq_len=4096"], r"exceeds the model context"),
     (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
+    (["data.preference=pairs.jsonl", "preference.algorithm=[dpo,ppo]", "preference.verifier_reward=true"],
+     r"preference.verifier_reward needs data.preference: demo .* for ppo"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
+
+
+def test_the_verifier_is_ignored_where_no_online_algorithm_runs():
+    cfg = load_config(TINY, ["data.preference=pairs.jsonl", "preference.algorithm=dpo", "preference.verifier_reward=true"])
+    assert cfg.preference.verifier_reward
 
 
 def test_config_errors_exit_2_before_anything_starts(tmp_path):

@@ -98,7 +98,18 @@ def test_ppo_nan_rewards_are_skipped_then_fail_keeping_the_last_checkpoint(chain
     assert not (locate(cfg, "ppo")[0] / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("algorithm, extra", [("grpo", ["preference.verifier_reward=true"]), ("rloo", [])])
+def test_ppo_rewarded_by_the_verifier_alone(chain, tmp_path):
+    """With the reward model weighed 0, a PPO reward is the verifier's: 1 for the item's answer, else 0."""
+    cfg, path = prepared(chain, tmp_path, *PPO, "preference.max_steps=3", "preference.save_every=10",
+                         "preference.verifier_reward=true", "preference.reward_model_weight=0")
+    _, out_dir, _ = run_stage(cfg, path, "ppo")
+    means = [json.loads(line)["reward_mean"] for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+             if "reward_mean" in line]
+    assert len(means) == 3 and all(0 <= m <= 1 for m in means), means
+
+
+@pytest.mark.parametrize("algorithm, extra", [("grpo", ["preference.verifier_reward=true"]),
+                                              ("rloo", ["preference.verifier_reward=false"])])
 def test_grpo_and_rloo(chain, tmp_path, algorithm, extra):
     cfg, path = prepared(chain, tmp_path, f"preference.algorithm={algorithm}", "distributed.zero_stage=2",
                          "preference.max_steps=2", "preference.num_generations=4", *extra)
