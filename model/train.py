@@ -87,7 +87,7 @@ def deepspeed_config(dist, train, world: int, device: torch.device) -> dict:
         gradient_accumulation_steps=train.global_batch_size // (train.micro_batch_size * world),
         gradient_clipping=train.grad_clip,
         optimizer={"type": "AdamW", "params": {"lr": train.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                               "weight_decay": train.weight_decay, "torch_adam": True}},
+                                               "weight_decay": train.weight_decay, "torch_adam": True, "foreach": True}},
     )
     if dist.offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
