@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 # Bumped when a part's generator changes, so that only the stages reading that part recompute.
-VERSIONS = {"pretrain": 4, "sft": 1, "preference": 5}
+VERSIONS = {"pretrain": 4, "sft": 1, "preference": 6}
 
 WORDS = ("cat dog sun red blue tree book fish bird car hat cup box pen map egg king moon star ship "
          "rain snow wind fire milk bread apple green door road lamp bell ring rose sand song "
@@ -116,20 +116,17 @@ def _sentence(item: Item, rng: random.Random) -> str:
 
 def _wrong_answer(item: Item, rng: random.Random) -> str:
     """A plausible wrong answer, of the kinds people and small models make: an off-by-one or a slip of
-    ten, echoing an operand, the other number or a near miss of either, the wrong operation, a different
-    or missing word."""
+    ten, echoing an operand, the other number, the wrong operation, a different or missing word."""
     if item.task == "repeat":
         w = item.args[0]
         other = rng.choice([x for x in WORDS if x != w])
         return rng.choice([w, f"{other} {other}", f"{w} {other}", f"{w} {w} {w}"])
     right = int(item.answer)
     if item.task in ("max", "min"):
-        other = min(item.args) if item.task == "max" else max(item.args)
-        # Mostly the other number; sometimes a near miss that is neither.
-        candidates = [other] * 4 + [right - 1, right + 1, right + 10, right - 10, other + 1, other - 1]
-    elif item.task == "succ":
+        return str(min(item.args) if item.task == "max" else max(item.args))
+    if item.task == "succ":
         n = item.args[0]
-        candidates = [n, n + 2, n + 3, n - 1, n + 10, n + 11]
+        candidates = [n, n + 2, n - 1]
     else:
         a, b = item.args
         candidates = [right - 1, right + 1, right + 10, right - 10, abs(a - b), max(a, b)]
