@@ -69,16 +69,12 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     previous = None
-
-    def on_sigterm(signum, frame):
-        raise Terminated("terminated")  # unwinds into the `except` below, which kills the group
-
     # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it. Inside a
     # flow run Prefect's own handler is installed: it raises TerminationSignal here, which kills the group
     # on its way out, and it must stay installed, or the runner's cancel is not acknowledged and the run
     # ends Crashed instead of Cancelled. Without one, ours does the same.
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     last_progress = 0.0
     buf = b""
     try:
@@ -108,6 +104,10 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
 
 class Terminated(BaseException):
     """SIGTERM received while a stage was running."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated("terminated")  # unwinds into run_streaming's `except`, which kills the group
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
