@@ -3,7 +3,10 @@ plain single-process PyTorch loop training the same `transformers` model on the 
 same global batch and sequence length. Both report training-step throughput (start-up, evaluation and
 checkpoints excluded), side by side in one run.
 
-    .venv/bin/python bench/pretrain.py [-c configs/tiny.yaml] [--steps 150] [--set key=value ...]
+    .venv/bin/python bench/pretrain.py [-c configs/tiny.yaml] [--steps 150] [--compile both|on|off] [--set key=value ...]
+
+The stage runs twice by default, eager and with `pretrain.compile` (torch.compile through DeepSpeed's
+engine.compile); the baseline is the loop a user writes, eager.
 
 On a GPU, add `--set model.preset=gpt2-124m --set pretrain.seq_len=1024 ...` to read bf16 MFU.
 """
@@ -34,6 +37,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.entry import locate  # noqa: E402
 from pipeline.launch import stage_command, stage_env  # noqa: E402
 from pipeline.store import read_manifest  # noqa: E402
+from stages.pretrain import WARMUP_STEPS  # noqa: E402
 
 
 def stage(cfg, cfg_path: Path) -> dict:
@@ -74,9 +78,9 @@ def baseline(cfg) -> float:
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss.item()  # synchronise
-        if step >= 5:  # skip warm-up steps, as the stage's first log window does not
+        if step >= WARMUP_STEPS:  # the stage leaves out as many
             seconds += time.perf_counter() - t0
-    return (pc.max_steps - 5) * pc.global_batch_size * pc.seq_len / seconds
+    return (pc.max_steps - WARMUP_STEPS) * pc.global_batch_size * pc.seq_len / seconds
 
 
 def main() -> None:
@@ -84,22 +88,27 @@ def main() -> None:
     p.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny.yaml"))
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--set", action="append", default=[])
+    p.add_argument("--compile", choices=["both", "on", "off"], default="both",
+                   help="run the stage with pretrain.compile on, off, or both (default)")
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="bench-pretrain-")
     overrides = [f"run.root={root}", f"pretrain.max_steps={args.steps}", f"pretrain.eval_every={args.steps}",
                  f"pretrain.save_every={args.steps}", *args.set]
-    cfg = load_config(args.config, overrides)
-    cfg_path = Path(root) / "config.yaml"
-    cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
-    m = stage(cfg, cfg_path)
+    runs = {}
+    for compiled in {"both": [False, True], "on": [True], "off": [False]}[args.compile]:
+        cfg = load_config(args.config, [*overrides, f"pretrain.compile={compiled}"])
+        cfg_path = Path(root) / "config.yaml"
+        cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
+        runs[compiled] = stage(cfg, cfg_path)
     base = baseline(cfg)
-    d = cfg.distributed
+    d, m = cfg.distributed, next(iter(runs.values()))
     print(f"model {cfg.model.preset}: {m['parameters'] / 1e6:.2f}M params, global batch {cfg.pretrain.global_batch_size}"
-          f" x {cfg.pretrain.seq_len} tokens, {args.steps} steps")
-    print(f"baseline (1 process, plain PyTorch): {base:12,.0f} tokens/s")
-    print(f"gptforge ({d.launcher}, {d.world_size} processes, ZeRO-{d.zero_stage}): {m['tokens_per_sec']:12,.0f} tokens/s"
-          f"  mfu {m['mfu']}")
-    print(f"ratio gptforge/baseline: {m['tokens_per_sec'] / base:.2f}x (target >= 1.0x on 2 CPU cores)")
+          f" x {cfg.pretrain.seq_len} tokens, {args.steps} steps ({WARMUP_STEPS} warm-up steps not timed)")
+    print(f"baseline (1 process, plain PyTorch, eager): {base:12,.0f} tokens/s")
+    for compiled, m in runs.items():
+        name = f"gptforge ({d.launcher}, {d.world_size} processes, ZeRO-{d.zero_stage}, {'compiled' if compiled else 'eager'})"
+        print(f"{name}: {m['tokens_per_sec']:12,.0f} tokens/s  mfu {m['mfu']}  "
+              f"ratio {m['tokens_per_sec'] / base:.2f}x (target >= 1.0x on 2 CPU cores)")
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if peak_flops(dev):
         n = m["parameters"]

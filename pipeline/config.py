@@ -138,6 +138,8 @@ class TrainSection(Section):
 class PretrainSection(TrainSection):
     seq_len: int = Field(96, ge=8, description="Training sequence length in tokens.")
     eval_batches: int = Field(8, ge=1, description="Val batches per evaluation.")
+    compile: bool = Field(False, description="torch.compile the model (DeepSpeed engine.compile): the first step "
+                          "takes longer (tens of seconds), the rest run faster. Needs a C++ compiler on the CPU.")
 
 
 class SFTSection(TrainSection):

@@ -24,6 +24,7 @@ from pipeline.entry import stage_main
 from pipeline.errors import DataError
 
 OUTPUTS = {"model": "model"}
+WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (bench/pretrain.py leaves out as many)
 
 
 def load_data(tok_dir: Path, shard_dir: Path):
@@ -61,6 +62,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         model.gradient_checkpointing_enable()
     n_params = count_params(model)
     engine, scheduler, grad_accum = T.init_engine(model, pc, dist, world, device)
+    if pc.compile:
+        engine.compile()  # compiles in place: parameter names and checkpoints are unchanged
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
     ckpt_root = out_dir / "checkpoints"
     state = T.resume({"model": engine}, ckpt_root, rank, "pretrain")
@@ -73,12 +76,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     flops_tok, peak = flops_per_token(n_params, arch, pc.seq_len), peak_flops(device)
     if rank == 0:
         print(f"[pretrain] {n_params / 1e6:.2f}M parameters, world {world}, ZeRO-{dist.zero_stage}, "
-              f"grad accum {grad_accum}, {tokens_per_step} tokens/step, {pc.max_steps} steps", flush=True)
+              f"grad accum {grad_accum}, {tokens_per_step} tokens/step, {pc.max_steps} steps"
+              f"{', torch.compile' if pc.compile else ''}", flush=True)
     bar = tqdm(total=pc.max_steps, initial=step, desc="pretrain", file=sys.stderr, disable=rank != 0,
                mininterval=2.0)
     train_loss = val_loss = float("nan")
     window_seconds = train_seconds = 0.0  # time in training steps only (not eval, not checkpoints)
-    steps_timed = 0
+    steps_timed = 0  # tokens_per_sec leaves out the first WARMUP_STEPS steps of each start (compilation, allocation)
 
     def mfu_of(tps: float) -> float | None:  # model FLOPs utilisation over all ranks
         return flops_tok * tps / (peak * world) if peak else None
@@ -95,10 +99,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
             step_loss += loss.item() / grad_accum
         step += 1
-        steps_timed += 1
         dt = time.perf_counter() - t0
         window_seconds += dt
-        train_seconds += dt
+        if step - first_step > WARMUP_STEPS or step == pc.max_steps and not steps_timed:
+            steps_timed += 1  # (a start with fewer steps than that times its last one)
+            train_seconds += dt
         bar.update(1)
         if step % pc.log_every == 0 or step == pc.max_steps:
             train_loss = T.all_mean(step_loss, device)

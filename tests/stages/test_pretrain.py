@@ -56,6 +56,17 @@ def test_zero_stages_give_the_same_loss_curve(zero2, tmp_path, stage):
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=2e-4)
 
 
+def test_compiled_model_gives_the_same_loss_curve_and_export(zero2, tmp_path):
+    from safetensors import safe_open
+
+    manifest, out_dir, out = pretrain(tmp_path, "distributed.zero_stage=2", "pretrain.compile=true")
+    assert "torch.compile" in out
+    assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=1e-3)
+    assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=1e-3)
+    keys = [sorted(safe_open(d / "model" / "model.safetensors", "pt").keys()) for d in (out_dir, zero2[1])]
+    assert keys[0] == keys[1]  # compiled in place: no "_orig_mod." in the exported names
+
+
 def test_sigkill_then_rerun_matches_uninterrupted(zero2, tmp_path):
     cfg, path = config(tmp_path, "distributed.zero_stage=2")
     tokenize_in_process(cfg)
