@@ -97,7 +97,8 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     args = config_cls(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=pc.num_generations, max_completion_length=pc.max_new_tokens,
                       temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
-                      reward_weights=[pc.reward_model_weight] + ([pc.verifier_weight] if pc.verifier_reward else []))
+                      reward_weights=[pc.reward_model_weight] + ([pc.verifier_weight] if pc.verifier_reward else []),
+                      **({"scale_rewards": pc.scale_rewards} if stage == "grpo" else {}))
     trainer = trainer_cls(model=AutoModelForCausalLM.from_pretrained(sft_dir), reward_funcs=reward_funcs, args=args,
                           train_dataset=train, processing_class=tokenizer,
                           reward_processing_classes=[reward_tokenizer] + ([None] if pc.verifier_reward else []),

@@ -156,6 +156,11 @@ class RewardSection(TrainSection):
     on_too_long: Literal["skip", "truncate"] = Field("skip", description="What to do with pairs over max_length.")
     margin: float = Field(0.0, ge=0, description="Margin term of the pairwise loss.")
     center_rewards_coefficient: float = Field(0.0, ge=0, description="Weight of the reward-centering term.")
+    policy_samples: int = Field(0, ge=0, description="Also train on comparisons of the SFT model's own answers "
+                                "(InstructGPT-style): sample one answer for this many training prompts and pair "
+                                "each wrong one, as rejected, with the known answer (needs data.preference: demo, "
+                                "whose verifier labels them).")
+    sample_temperature: float = Field(1.0, gt=0, description="Sampling temperature of policy_samples.")
 
 
 class PreferenceSection(TrainSection):
@@ -177,6 +182,9 @@ class PreferenceSection(TrainSection):
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
     num_generations: int = Field(4, ge=2, description="GRPO/RLOO completions per prompt.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="GRPO: divide each group's rewards, less their mean, by the group's std (group), the "
+        "batch's (batch) or nothing (none, as Dr. GRPO).")
     verifier_reward: bool = Field(False, description="PPO/GRPO/RLOO: add a rule-based verifier of demo answers (1 when "
                                   "the response is the known answer) to the reward model's score.")
     verifier_weight: float = Field(1.0, ge=0, description="Weight of the verifier reward.")
@@ -222,6 +230,9 @@ class PipelineConfig(Section):
         if self.preference.enabled and self.preference.verifier_reward and online and self.data.preference != "demo":
             raise ValueError(f"preference.verifier_reward needs data.preference: demo (the verifier knows the demo's "
                              f"answers), not {self.data.preference!r}; set it to false for {', '.join(sorted(online))}")
+        if self.reward.enabled and self.reward.policy_samples and self.data.preference != "demo":
+            raise ValueError(f"reward.policy_samples needs data.preference: demo (the verifier knows the demo's "
+                             f"answers), not {self.data.preference!r}; set it to 0")
         if self.pretrain.seq_len > self.model.arch().n_positions:
             raise ValueError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds the model context "
                              f"n_positions={self.model.arch().n_positions}")

@@ -73,15 +73,18 @@ def critic_values(critic, seqs, attention, P: int):
     return out[:, P - 1:-1, 0].float()
 
 
-def build_critic(reward_dir: Path):
-    """The reward model as a token-level value model: same backbone, its scalar head applied to every token."""
-    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+def build_critic(reward_dir: Path, scale: float = 1.0):
+    """The reward model as a token-level value model: same backbone, its scalar head applied to every token,
+    scaled by the reward model's weight in the reward, so that the first values are on the reward's scale."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    critic = AutoModelForTokenClassification.from_pretrained(reward_dir, num_labels=1)
+    config = AutoConfig.from_pretrained(reward_dir, num_labels=1)
+    config.classifier_dropout = 0.0  # transformers' token classifiers default to 0.1: the values would be noisy
+    critic = AutoModelForTokenClassification.from_pretrained(reward_dir, config=config)
     score = AutoModelForSequenceClassification.from_pretrained(reward_dir).score
     head = critic.classifier if critic.config.model_type == "gpt2" else critic.score  # transformers' naming
     with torch.no_grad():
-        head.weight.copy_(score.weight)
+        head.weight.copy_(score.weight * scale)
         if head.bias is not None:
             head.bias.zero_()
     return critic
@@ -110,7 +113,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
     torch.manual_seed(cfg.run.seed)
     actor = AutoModelForCausalLM.from_pretrained(sft_dir)
-    critic = build_critic(reward_dir)
+    critic = build_critic(reward_dir, pc.reward_model_weight)
     ref = AutoModelForCausalLM.from_pretrained(sft_dir).to(device).eval().requires_grad_(False)
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir).to(device).eval()
     # The engines step once per minibatch: the schedule counts optimizer steps, not PPO steps.

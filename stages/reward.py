@@ -9,6 +9,7 @@ across stages. Exported as a Hugging Face sequence-classification directory (one
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from data import loaders
 from data.chat import collate, encode_pairs
 from data.loader import DistributedOrder
 from model import train as T
+from model.evaluate import generate
 from model.losses import pairwise_reward_loss
 from pipeline.config import PipelineConfig
 from pipeline.entry import stage_main
@@ -33,6 +35,30 @@ def rewards(engine, pairs: list[tuple[list[int], list[int]]], pad_id: int, devic
     x, a, _ = collate(seqs, pad_id)
     scores = engine(input_ids=x.to(device), attention_mask=a.to(device)).logits.squeeze(-1).float()  # (2B,)
     return scores[:len(pairs)], scores[len(pairs):]
+
+
+def policy_pairs(sft_dir: Path, tokenizer, pairs: list[dict], n: int, temperature: float, max_new_tokens: int,
+                 seed: int, rank: int, world: int, device) -> tuple[list[dict], int]:
+    """Comparisons of the SFT model's own answers (as InstructGPT trains its reward model on the policy's
+    samples; the demo's verifier is the labeller): one answer sampled for each of n distinct training
+    prompts, and each wrong one paired, as rejected, with the prompt's known answer. The pairs the demo
+    ships have hand-made wrong answers; these teach the reward model the policy's own mistakes, which
+    is what it judges in the preference stage. Each rank samples its share; every rank gets every pair.
+    Returns (pairs, answers sampled)."""
+    from transformers import AutoModelForCausalLM
+
+    known = list({str(p["prompt"]): (p["prompt"], p["chosen"]) for p in pairs}.values())
+    mine = random.Random(seed).sample(range(len(known)), min(n, len(known)))[rank::world]
+    policy = AutoModelForCausalLM.from_pretrained(sft_dir).to(device)
+    torch.manual_seed(seed + rank)  # the same samples on a rerun: resuming sees the same pairs
+    answers = generate(policy, tokenizer, [known[i][0] for i in mine], max_new_tokens, do_sample=True,
+                       temperature=temperature, top_k=0, top_p=1.0)
+    del policy
+    wrong = [(i, a) for i, a in zip(mine, answers) if a != known[i][1]]
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, wrong)
+    return [{"prompt": known[i][0], "chosen": known[i][1], "rejected": a} for part in parts for i, a in part], \
+        int(T.all_sum([len(mine)], device)[0])
 
 
 @torch.no_grad()
@@ -60,6 +86,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     data = loaders.preference_pairs(cfg.data)
     train = encode_pairs(tokenizer, data.train, rc.max_length, rc.on_too_long)
     val = encode_pairs(tokenizer, data.val, rc.max_length, rc.on_too_long)
+    sampled, n_given = 0, len(train.examples)
+    if rc.policy_samples:
+        extra, sampled = policy_pairs(sft_dir, tokenizer, data.train, rc.policy_samples, rc.sample_temperature,
+                                      cfg.eval.max_new_tokens, cfg.run.seed, rank, world, device)
+        train.examples += encode_pairs(tokenizer, extra, rc.max_length, "skip").examples
+        if rank == 0:
+            print(f"[reward] {len(extra)} of {sampled} answers sampled from the SFT model were wrong: "
+                  f"{len(extra)} pairs added", flush=True)
     if len(train.examples) < rc.micro_batch_size * world or not val.examples:
         raise DataError(f"too few usable preference pairs: {len(train.examples)} to train, {len(val.examples)} "
                         f"to validate (skipped: {dict(train.skipped)})")
@@ -113,6 +147,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     T.barrier()
     return {"reward_accuracy": round(accuracy, 6), "reward_margin": round(margin, 6),
             "train_loss": round(train_loss, 6), "global_step": step, "bad_rows": data.bad_rows,
+            "policy_pairs": len(train.examples) - n_given, "policy_samples": sampled,
             "skipped_identical": train.skipped["identical_responses"] + val.skipped["identical_responses"],
             "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],
             "truncated": train.truncated + val.truncated}

@@ -44,6 +44,7 @@ def test_wrong_type_names_the_key():
     (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
     (["data.preference=pairs.jsonl", "preference.algorithm=[dpo,ppo]", "preference.verifier_reward=true"],
      r"preference.verifier_reward needs data.preference: demo .* for ppo"),
+    (["data.preference=pairs.jsonl", "reward.policy_samples=100"], r"reward.policy_samples needs data.preference: demo"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -51,7 +52,8 @@ def test_impossible_combinations(overrides, message):
 
 
 def test_the_verifier_is_ignored_where_no_online_algorithm_runs():
-    cfg = load_config(TINY, ["data.preference=pairs.jsonl", "preference.algorithm=dpo", "preference.verifier_reward=true"])
+    cfg = load_config(TINY, ["data.preference=pairs.jsonl", "preference.algorithm=dpo", "preference.verifier_reward=true",
+                             "reward.policy_samples=0"])
     assert cfg.preference.verifier_reward
 
 

@@ -108,7 +108,21 @@ def test_ppo_rewarded_by_the_verifier_alone(chain, tmp_path):
     assert len(means) == 3 and all(0 <= m <= 1 for m in means), means
 
 
-@pytest.mark.parametrize("algorithm, extra", [("grpo", ["preference.verifier_reward=true"]),
+def test_ppo_critic_starts_as_the_weighed_reward_model(chain):
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.ppo import build_critic
+
+    reward_dir = chain["reward"][1] / "model"
+    critic = build_critic(reward_dir, 0.1).train()  # in train mode, as PPO reads the old values
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir).eval()
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    values = critic(input_ids=x).logits[0, :, 0]
+    assert values[-1].item() == pytest.approx(0.1 * reward_model(input_ids=x).logits[0, 0].item(), abs=1e-5)
+    assert torch.equal(values, critic(input_ids=x).logits[0, :, 0])  # no dropout
+
+
+@pytest.mark.parametrize("algorithm, extra", [("grpo", ["preference.verifier_reward=true", "preference.scale_rewards=none"]),
                                               ("rloo", ["preference.verifier_reward=false"])])
 def test_grpo_and_rloo(chain, tmp_path, algorithm, extra):
     cfg, path = prepared(chain, tmp_path, f"preference.algorithm={algorithm}", "distributed.zero_stage=2",

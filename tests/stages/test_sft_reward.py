@@ -34,6 +34,8 @@ def test_reward_model_exports_a_sequence_classifier(chain, tmp_path):
     manifest, out_dir, _ = chain["reward"]
     m = manifest["metrics"]
     assert 0 <= m["reward_accuracy"] <= 1 and isinstance(m["reward_margin"], float)
+    # FAST samples 48 answers from the SFT model; the wrong ones became pairs with the known answer.
+    assert m["policy_samples"] == 48 and 0 < m["policy_pairs"] <= 48
     assert logged(out_dir, "loss")[-1] < logged(out_dir, "loss")[0]
     script = ("import sys, torch; from transformers import AutoModelForSequenceClassification, AutoTokenizer;"
               f"d={str(out_dir / 'model')!r}; m=AutoModelForSequenceClassification.from_pretrained(d);"
@@ -93,7 +95,8 @@ def test_every_preference_format_through_reward(chain, tmp_path):
                                        for p, c, r in q[8:14]])
     write_jsonl(data / "hh.jsonl", [{"chosen": f"\n\nHuman: {p}\n\nAssistant: {c}",
                                      "rejected": f"\n\nHuman: {p}\n\nAssistant: {r}"} for p, c, r in q[14:]])
-    cfg, path = config(tmp_path, *ZEROS, f"data.preference={data}", "reward.max_steps=4", "reward.save_every=100")
+    cfg, path = config(tmp_path, *ZEROS, f"data.preference={data}", "reward.max_steps=4", "reward.save_every=100",
+                       "reward.policy_samples=0")  # (the demo verifier labels policy samples)
     copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
     manifest, _, _ = run_stage(cfg, path, "reward")
     m = manifest["metrics"]
