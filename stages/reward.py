@@ -57,8 +57,8 @@ def policy_pairs(sft_dir: Path, tokenizer, pairs: list[dict], n: int, temperatur
     wrong = [(i, a) for i, a in zip(mine, answers) if a != known[i][1]]
     parts = [None] * world
     torch.distributed.all_gather_object(parts, wrong)
-    return [{"prompt": known[i][0], "chosen": known[i][1], "rejected": a} for part in parts for i, a in part], \
-        int(T.all_sum([len(mine)], device)[0])
+    sampled = int(T.all_sum([len(mine)], device)[0])
+    return [{"prompt": known[i][0], "chosen": known[i][1], "rejected": a} for part in parts for i, a in part], sampled
 
 
 @torch.no_grad()
