@@ -56,6 +56,12 @@ def preference_pairs(data_cfg) -> Split:
     return _split(_load(data_cfg.preference, data_cfg, to_pair, "preference"))
 
 
+def answered_prompts(pairs: list[dict]) -> list[tuple[list[dict], str]]:
+    """Each distinct prompt of preference pairs once, with its chosen response: on the demo data, the
+    verified answer that the verifier compares a response with."""
+    return list({str(p["prompt"]): (p["prompt"], p["chosen"]) for p in pairs}.values())
+
+
 def eval_items(data_cfg) -> list[dict]:
     """Held-out verifiable items ({"task", "prompt", "answer"}), from the demo generator."""
     return demo.from_settings(data_cfg.demo).eval

@@ -93,15 +93,18 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     pairs = loaders.preference_pairs(cfg.data).train
     # The demo's chosen responses are the verified answers.
     train = Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])
-    reward_funcs = [str(reward_dir)] + ([verifier] if pc.verifier_reward else [])
+    # (reward function, its weight, its tokenizer): the reward model, and the demo verifier if asked for
+    rewards = [(str(reward_dir), pc.reward_model_weight, reward_tokenizer)]
+    rewards += [(verifier, pc.verifier_weight, None)] if pc.verifier_reward else []
+    reward_funcs, reward_weights, reward_tokenizers = map(list, zip(*rewards))
     args = config_cls(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=pc.num_generations, max_completion_length=pc.max_new_tokens,
                       temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
-                      reward_weights=[pc.reward_model_weight] + ([pc.verifier_weight] if pc.verifier_reward else []),
+                      reward_weights=reward_weights,
                       **({"scale_rewards": pc.scale_rewards} if stage == "grpo" else {}))
     trainer = trainer_cls(model=AutoModelForCausalLM.from_pretrained(sft_dir), reward_funcs=reward_funcs, args=args,
                           train_dataset=train, processing_class=tokenizer,
-                          reward_processing_classes=[reward_tokenizer] + ([None] if pc.verifier_reward else []),
+                          reward_processing_classes=reward_tokenizers,
                           callbacks=[JsonlMetrics(out_dir / "logs" / "metrics.jsonl")])
     trainer.train(resume_from_checkpoint=resume_point(out_dir, stage, rank))
     export(trainer, tokenizer, sft_dir, out_dir / "model")

@@ -103,9 +103,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     pc, dist = cfg.preference, cfg.distributed
     rank, world, device = T.setup_distributed()
     sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
-    # Each distinct prompt once; the demo's chosen response is its verified answer.
-    by_prompt = {str(p["prompt"]): (p["prompt"], p["chosen"]) for p in loaders.preference_pairs(cfg.data).train}
-    prompts, answers = [p for p, _ in by_prompt.values()], [a for _, a in by_prompt.values()]
+    prompts, answers = map(list, zip(*loaders.answered_prompts(loaders.preference_pairs(cfg.data).train)))
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
     if len(prompts) < per_rank * world:

@@ -47,8 +47,9 @@ def policy_pairs(sft_dir: Path, tokenizer, pairs: list[dict], n: int, temperatur
     Returns (pairs, answers sampled)."""
     from transformers import AutoModelForCausalLM
 
-    known = list({str(p["prompt"]): (p["prompt"], p["chosen"]) for p in pairs}.values())
-    mine = random.Random(seed).sample(range(len(known)), min(n, len(known)))[rank::world]
+    known = loaders.answered_prompts(pairs)
+    n = min(n, len(known))
+    mine = random.Random(seed).sample(range(len(known)), n)[rank::world]
     policy = AutoModelForCausalLM.from_pretrained(sft_dir).to(device)
     torch.manual_seed(seed + rank)  # the same samples on a rerun: resuming sees the same pairs
     answers = generate(policy, tokenizer, [known[i][0] for i in mine], max_new_tokens, do_sample=True,
@@ -57,8 +58,7 @@ def policy_pairs(sft_dir: Path, tokenizer, pairs: list[dict], n: int, temperatur
     wrong = [(i, a) for i, a in zip(mine, answers) if a != known[i][1]]
     parts = [None] * world
     torch.distributed.all_gather_object(parts, wrong)
-    sampled = int(T.all_sum([len(mine)], device)[0])
-    return [{"prompt": known[i][0], "chosen": known[i][1], "rejected": a} for part in parts for i, a in part], sampled
+    return [{"prompt": known[i][0], "chosen": known[i][1], "rejected": a} for part in parts for i, a in part], n
 
 
 @torch.no_grad()
@@ -86,14 +86,15 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     data = loaders.preference_pairs(cfg.data)
     train = encode_pairs(tokenizer, data.train, rc.max_length, rc.on_too_long)
     val = encode_pairs(tokenizer, data.val, rc.max_length, rc.on_too_long)
-    sampled, n_given = 0, len(train.examples)
+    sampled, added = 0, []
     if rc.policy_samples:
         extra, sampled = policy_pairs(sft_dir, tokenizer, data.train, rc.policy_samples, rc.sample_temperature,
                                       cfg.eval.max_new_tokens, cfg.run.seed, rank, world, device)
-        train.examples += encode_pairs(tokenizer, extra, rc.max_length, "skip").examples
+        added = encode_pairs(tokenizer, extra, rc.max_length, "skip").examples
+        train.examples += added
         if rank == 0:
             print(f"[reward] {len(extra)} of {sampled} answers sampled from the SFT model were wrong: "
-                  f"{len(extra)} pairs added", flush=True)
+                  f"{len(added)} pairs added", flush=True)
     if len(train.examples) < rc.micro_batch_size * world or not val.examples:
         raise DataError(f"too few usable preference pairs: {len(train.examples)} to train, {len(val.examples)} "
                         f"to validate (skipped: {dict(train.skipped)})")
@@ -147,7 +148,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     T.barrier()
     return {"reward_accuracy": round(accuracy, 6), "reward_margin": round(margin, 6),
             "train_loss": round(train_loss, 6), "global_step": step, "bad_rows": data.bad_rows,
-            "policy_pairs": len(train.examples) - n_given, "policy_samples": sampled,
+            "policy_pairs": len(added), "policy_samples": sampled,
             "skipped_identical": train.skipped["identical_responses"] + val.skipped["identical_responses"],
             "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],
             "truncated": train.truncated + val.truncated}
