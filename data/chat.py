@@ -106,3 +106,10 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
         ids[i, T - len(r):] = torch.tensor(r)
         mask[i, T - len(r):] = 1
     return ids, mask
+
+
+def positions(attention: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding, as generation uses them: a model with learned absolute
+    positions (GPT-2) otherwise reads a left-padded row at positions shifted by its padding."""
+    return (attention.long().cumsum(-1) - 1).clamp(min=0)
+

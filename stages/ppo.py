@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from data import loaders
-from data.chat import left_pad, prompt_ids
+from data.chat import left_pad, positions, prompt_ids
 from data.loader import DistributedOrder
 from model import train as T
 from model.evaluate import policy_and_judge, preference_metrics, reward_scores, stop_ids
@@ -50,11 +50,6 @@ def rollout(actor, tokenizer, prompts, pc, device, synced: bool):
     after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0  # strictly after the first stop token
     resp_mask = (~after_stop).long()
     return out, torch.cat([attention.to(device), resp_mask], 1), resp_mask, P
-
-
-def positions(attention: torch.Tensor) -> torch.Tensor:
-    """Position ids that skip left padding, as generation used them."""
-    return (attention.cumsum(-1) - 1).clamp(min=0)
 
 
 def policy_logprobs(model, seqs, attention, P: int):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from data.chat import collate, encode_conversations, encode_pairs, pack
+from data.chat import collate, encode_conversations, encode_pairs, pack, positions
 from data.tokenizer import save_hf, train_bpe
 from model.losses import IGNORE, pairwise_reward_loss
 
@@ -65,3 +65,7 @@ def test_pairwise_loss_by_hand():
     # centering: 0.5 * mean((2+0)^2, (0+0)^2) = 1
     with_center = pairwise_reward_loss(chosen, rejected, center_coefficient=0.5).item()
     assert with_center == pytest.approx((softplus(-2.0) + softplus(0.0)) / 2 + 1.0)
+
+
+def test_positions_skip_left_padding():
+    assert positions(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
