@@ -113,3 +113,28 @@ def positions(attention: torch.Tensor) -> torch.Tensor:
     positions (GPT-2) otherwise reads a left-padded row at positions shifted by its padding."""
     return (attention.long().cumsum(-1) - 1).clamp(min=0)
 
+
+class SupervisedRows:
+    """Encoded conversations drawn for a supervised loss in a seeded order, by update: the rows of update `u`
+    on rank `r` depend on (u, r) alone, so a resumed run draws what an uninterrupted one would have."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]], seed: int):
+        self.examples = examples
+        self.order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def batch(self, update: int, size: int, rank: int, world: int, pad_id: int):
+        """collate() of the `size` rows of one update on one rank, cycling through the seeded order."""
+        start = (update * world + rank) * size
+        return collate([self.examples[self.order[(start + j) % len(self.order)]] for j in range(size)], pad_id)
+
+
+def chosen_rows(tokenizer, pairs: list[dict], max_length: int, seed: int) -> SupervisedRows:
+    """The preference pairs' prompts with their chosen responses, loss on the response: the supervised
+    (ptx) rows of the online preference stages."""
+    from pipeline.errors import DataError
+
+    enc = encode_conversations(tokenizer, [{"messages": p["prompt"] + [{"role": "assistant", "content": p["chosen"]}]}
+                                           for p in pairs], max_length, assistant_only=True, on_too_long="skip")
+    if not enc.examples:
+        raise DataError(f"no preference pair fits preference.max_length={max_length} for the ptx loss")
+    return SupervisedRows(enc.examples, seed)

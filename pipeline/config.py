@@ -189,6 +189,9 @@ class PreferenceSection(TrainSection):
                                   "the response is the known answer) to the reward model's score.")
     verifier_weight: float = Field(1.0, ge=0, description="Weight of the verifier reward.")
     reward_model_weight: float = Field(1.0, ge=0, description="PPO/GRPO/RLOO: weight of the reward model's score.")
+    ptx_coef: float = Field(0.0, ge=0, description="PPO/GRPO/RLOO: weight of a supervised loss on the preference "
+                            "pairs' chosen responses, added to the policy loss at every update on as many rows as the "
+                            "update's responses (InstructGPT's PPO-ptx, OpenRLHF's ptx_coef); 0 disables.")
     max_bad_steps: int = Field(3, ge=0, description="Steps with a NaN/Inf reward or loss skipped before the stage fails.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for rollouts.")
     top_k: int = Field(0, ge=0, description="Top-k for rollouts (0 disables).")

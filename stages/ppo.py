@@ -21,12 +21,12 @@ import torch
 from tqdm import tqdm
 
 from data import loaders
-from data.chat import left_pad, positions, prompt_ids
+from data.chat import chosen_rows, left_pad, positions, prompt_ids
 from data.loader import DistributedOrder
 from model import train as T
 from model.evaluate import policy_and_judge, preference_metrics, reward_scores, stop_ids
-from model.losses import (AdaptiveKLController, gae, kl_per_token, masked_mean, ppo_policy_loss, ppo_value_loss,
-                          token_rewards, whiten)
+from model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean, ppo_policy_loss,
+                          ppo_value_loss, token_rewards, whiten)
 from pipeline.config import PipelineConfig
 from pipeline.entry import stage_main
 from pipeline.errors import DataError, UserError
@@ -98,7 +98,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     pc, dist = cfg.preference, cfg.distributed
     rank, world, device = T.setup_distributed()
     sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
-    prompts, answers = map(list, zip(*loaders.answered_prompts(loaders.preference_pairs(cfg.data).train)))
+    pairs = loaders.preference_pairs(cfg.data).train
+    prompts, answers = map(list, zip(*loaders.answered_prompts(pairs)))
+    ptx_rows = chosen_rows(tokenizer, pairs, pc.max_length, cfg.run.seed) if pc.ptx_coef else None
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
     if len(prompts) < per_rank * world:
@@ -146,25 +148,33 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             rewards = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
             advantages, returns = gae(rewards, old_values, mask.float(), pc.gamma, pc.lam)
             advantages = whiten(advantages, mask.float())
-        stats = {"policy_loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        stats = dict.fromkeys(["policy_loss", "value_loss", "clip_frac", "entropy"], 0.0)
+        stats.update({"ptx_loss": 0.0} if ptx_rows is not None else {})
         finite = all_finite(device, score, advantages)
-        for _ in range(pc.ppo_epochs if finite else 0):
-            for mb in torch.arange(per_rank).split(pc.micro_batch_size):
+        for epoch in range(pc.ppo_epochs if finite else 0):
+            for k, mb in enumerate(torch.arange(per_rank).split(pc.micro_batch_size)):
                 m = mask[mb].float()
                 logp, entropy = policy_logprobs(actor_engine, seqs[mb], attention[mb], P)
                 pg_loss, clip_frac = ppo_policy_loss(logp, old_logp[mb], advantages[mb], m, pc.cliprange)
                 values = critic_values(critic_engine, seqs[mb], attention[mb], P)
                 v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, pc.cliprange_value)
-                if not all_finite(device, pg_loss, v_loss):
+                ptx_loss = torch.zeros((), device=device)
+                if ptx_rows is not None:  # PPO-ptx: the update's own rows of the chosen responses
+                    update = (step - 1) * updates + epoch * minibatches + k
+                    x, a, y = (t.to(device) for t in ptx_rows.batch(update, pc.micro_batch_size, rank, world,
+                                                                     tokenizer.pad_token_id))
+                    ptx_loss = causal_lm_loss(actor_engine(input_ids=x, attention_mask=a).logits, y)
+                if not all_finite(device, pg_loss, v_loss, ptx_loss):
                     finite = False
                     break
-                actor_engine.backward(pg_loss)
+                actor_engine.backward(pg_loss + pc.ptx_coef * ptx_loss)
                 actor_engine.step()
                 critic_engine.backward(v_loss)
                 critic_engine.step()
-                for k, v in (("policy_loss", pg_loss), ("value_loss", v_loss), ("clip_frac", clip_frac),
-                             ("entropy", masked_mean(entropy, m))):
-                    stats[k] += v.item() / updates
+                for name, v in (("policy_loss", pg_loss), ("value_loss", v_loss), ("clip_frac", clip_frac),
+                                ("entropy", masked_mean(entropy, m)), ("ptx_loss", ptx_loss)):
+                    if name in stats:
+                        stats[name] += v.item() / updates
             if not finite:
                 break
         if not finite:

@@ -62,7 +62,7 @@ def test_ppo_trains_and_logs(chain, ppo):
     assert REPORT <= set(m) and m["global_step"] == 6 and m["bad_steps"] == 0
     rows = [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward_mean", "reward_std", "kl", "policy_loss", "value_loss", "clip_frac", "entropy",
-                "response_length", "gen_tokens_per_sec"):
+                "response_length", "gen_tokens_per_sec", "ptx_loss"):  # tiny.yaml: preference.ptx_coef > 0
         assert all(key in r for r in rows), key
     assert changed_from_sft(chain, out_dir)
 
@@ -130,6 +130,8 @@ def test_grpo_and_rloo(chain, tmp_path, algorithm, extra):
     manifest, out_dir, _ = run_stage(cfg, path, algorithm)
     assert REPORT <= set(manifest["metrics"]) and manifest["metrics"]["global_step"] == 2
     assert changed_from_sft(chain, out_dir)
+    ptx = logged(out_dir, "ptx_loss")  # tiny.yaml: preference.ptx_coef > 0, the chosen responses' loss
+    assert len(ptx) == 2 and all(0 < x < 10 for x in ptx), ptx
 
 
 def test_reward_model_with_another_vocabulary_is_an_error(chain, tmp_path):
