@@ -151,9 +151,9 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
                       temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
                       reward_weights=reward_weights,
                       **({"scale_rewards": pc.scale_rewards} if stage == "grpo" else {}))
-    trainer = trainer_cls(model=positions_from_mask(AutoModelForCausalLM.from_pretrained(sft_dir)), reward_funcs=reward_funcs, args=args,
-                          train_dataset=train, processing_class=tokenizer,
-                          reward_processing_classes=reward_tokenizers,
+    policy = positions_from_mask(AutoModelForCausalLM.from_pretrained(sft_dir))
+    trainer = trainer_cls(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=train,
+                          processing_class=tokenizer, reward_processing_classes=reward_tokenizers,
                           callbacks=[JsonlMetrics(out_dir / "logs" / "metrics.jsonl")])
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
