@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.losses import IGNORE
+from data.loader import DistributedOrder
+from model.losses import IGNORE, causal_lm_loss
 
 
 @dataclass
@@ -114,27 +115,25 @@ def positions(attention: torch.Tensor) -> torch.Tensor:
     return (attention.long().cumsum(-1) - 1).clamp(min=0)
 
 
-class SupervisedRows:
-    """Encoded conversations drawn for a supervised loss in a seeded order, by update: the rows of update `u`
-    on rank `r` depend on (u, r) alone, so a resumed run draws what an uninterrupted one would have."""
 
-    def __init__(self, examples: list[tuple[list[int], list[int]]], seed: int):
-        self.examples = examples
-        self.order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+class ChosenRows:
+    """The preference pairs' prompts with their chosen responses, loss on the response: the supervised (ptx)
+    rows of the online preference stages. The rows of update `u` on a rank are DistributedOrder's micro-step
+    `u`, so a resumed run draws what an uninterrupted one would have."""
 
-    def batch(self, update: int, size: int, rank: int, world: int, pad_id: int):
-        """collate() of the `size` rows of one update on one rank, cycling through the seeded order."""
-        start = (update * world + rank) * size
-        return collate([self.examples[self.order[(start + j) % len(self.order)]] for j in range(size)], pad_id)
+    def __init__(self, tokenizer, pairs: list[dict], max_length: int, micro_batch: int, rank: int, world: int,
+                 seed: int):
+        from pipeline.errors import DataError
 
+        conversations = [{"messages": p["prompt"] + [{"role": "assistant", "content": p["chosen"]}]} for p in pairs]
+        self.examples = encode_conversations(tokenizer, conversations, max_length, True, "skip").examples
+        if len(self.examples) < micro_batch * world:
+            raise DataError(f"{len(self.examples)} preference pairs fit preference.max_length={max_length}, fewer "
+                            f"than the {micro_batch}x{world} rows of one update of the ptx loss")
+        self.order = DistributedOrder(len(self.examples), micro_batch, rank, world, seed)
+        self.pad_id = tokenizer.pad_token_id
 
-def chosen_rows(tokenizer, pairs: list[dict], max_length: int, seed: int) -> SupervisedRows:
-    """The preference pairs' prompts with their chosen responses, loss on the response: the supervised
-    (ptx) rows of the online preference stages."""
-    from pipeline.errors import DataError
-
-    enc = encode_conversations(tokenizer, [{"messages": p["prompt"] + [{"role": "assistant", "content": p["chosen"]}]}
-                                           for p in pairs], max_length, assistant_only=True, on_too_long="skip")
-    if not enc.examples:
-        raise DataError(f"no preference pair fits preference.max_length={max_length} for the ptx loss")
-    return SupervisedRows(enc.examples, seed)
+    def loss(self, model, update: int, device) -> torch.Tensor:
+        """The causal-LM loss of `model` on this rank's rows of update `update`."""
+        x, a, y = collate([self.examples[i] for i in self.order.ids_at(update)], self.pad_id)
+        return causal_lm_loss(model(input_ids=x.to(device), attention_mask=a.to(device)).logits, y.to(device))

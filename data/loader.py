@@ -22,7 +22,13 @@ class DistributedOrder:
 
     def next_ids(self) -> np.ndarray:
         """Indices of this rank's next micro-batch."""
-        start = self.position + self.rank * self.micro_batch
+        ids = self.ids_at(self.position // (self.micro_batch * self.world))
+        self.position += self.micro_batch * self.world
+        return ids
+
+    def ids_at(self, step: int) -> np.ndarray:
+        """Indices of this rank's micro-batch at micro-step `step` (from 0), whatever was drawn before."""
+        start = step * self.micro_batch * self.world + self.rank * self.micro_batch
         ids = np.empty(self.micro_batch, dtype=np.int64)
         for i in range(self.micro_batch):
             epoch, offset = divmod(start + i, self.n_items)
@@ -30,7 +36,6 @@ class DistributedOrder:
                 self._epoch = epoch
                 self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n_items)
             ids[i] = self._order[offset]
-        self.position += self.micro_batch * self.world
         return ids
 
     def state_dict(self) -> dict:

@@ -17,7 +17,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from data.chat import chosen_rows, positions
+from data.chat import ChosenRows, positions
 from model.train import DS_CONFIGS
 
 
@@ -94,11 +94,10 @@ def positions_from_mask(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def with_ptx(trainer_cls, rows, coef: float, micro_batch: int, pad_id: int):
-    """`trainer_cls` with coef * the causal-LM loss of `rows` (data.chat.SupervisedRows, micro_batch rows per
-    micro-step) added to each micro-batch's policy loss: PPO-ptx (InstructGPT), for TRL's GRPO and RLOO. The rows
-    of a micro-step follow from the optimizer step and the micro-step within it, so a resumed run draws the same."""
-    from model.losses import causal_lm_loss
+def with_ptx(trainer_cls, rows, coef: float):
+    """`trainer_cls` with coef * the loss of `rows` (data.chat.ChosenRows) added to each micro-batch's policy
+    loss: PPO-ptx (InstructGPT), for TRL's GRPO and RLOO. The update that picks the rows is counted from the
+    optimizer step and the micro-step within it, so a resumed run draws the same."""
 
     class PtxTrainer(trainer_cls):
         _ptx_at = (-1, 0)  # (optimizer step, micro-steps taken in it)
@@ -107,10 +106,7 @@ def with_ptx(trainer_cls, rows, coef: float, micro_batch: int, pad_id: int):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             step, k = self._ptx_at if self._ptx_at[0] == self.state.global_step else (self.state.global_step, 0)
             self._ptx_at = (step, k + 1)
-            update = step * self.args.gradient_accumulation_steps + k
-            x, a, y = (t.to(loss.device) for t in rows.batch(update, micro_batch, self.accelerator.process_index,
-                                                              self.accelerator.num_processes, pad_id))
-            ptx = causal_lm_loss(model(input_ids=x, attention_mask=a).logits, y)
+            ptx = rows.loss(model, step * self.args.gradient_accumulation_steps + k, loss.device)
             self._metrics["train"]["ptx_loss"].append(self.accelerator.gather(ptx.detach()).mean().item())
             return loss + coef * ptx
 
@@ -138,8 +134,8 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
     pairs = loaders.preference_pairs(cfg.data).train
     if pc.ptx_coef:
-        rows = chosen_rows(tokenizer, pairs, pc.max_length, cfg.run.seed)
-        trainer_cls = with_ptx(trainer_cls, rows, pc.ptx_coef, pc.micro_batch_size, tokenizer.pad_token_id)
+        rows = ChosenRows(tokenizer, pairs, pc.max_length, pc.micro_batch_size, rank, world, cfg.run.seed)
+        trainer_cls = with_ptx(trainer_cls, rows, pc.ptx_coef)
     # The demo's chosen responses are the verified answers.
     train = Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])
     # (reward function, its weight, its tokenizer): the reward model, and the demo verifier if asked for

@@ -21,12 +21,12 @@ import torch
 from tqdm import tqdm
 
 from data import loaders
-from data.chat import chosen_rows, left_pad, positions, prompt_ids
+from data.chat import ChosenRows, left_pad, positions, prompt_ids
 from data.loader import DistributedOrder
 from model import train as T
 from model.evaluate import policy_and_judge, preference_metrics, reward_scores, stop_ids
-from model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean, ppo_policy_loss,
-                          ppo_value_loss, token_rewards, whiten)
+from model.losses import (AdaptiveKLController, gae, kl_per_token, masked_mean, ppo_policy_loss, ppo_value_loss,
+                          token_rewards, whiten)
 from pipeline.config import PipelineConfig
 from pipeline.entry import stage_main
 from pipeline.errors import DataError, UserError
@@ -100,11 +100,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
     pairs = loaders.preference_pairs(cfg.data).train
     prompts, answers = map(list, zip(*loaders.answered_prompts(pairs)))
-    ptx_rows = chosen_rows(tokenizer, pairs, pc.max_length, cfg.run.seed) if pc.ptx_coef else None
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
     if len(prompts) < per_rank * world:
         raise DataError(f"too few prompts for PPO: {len(prompts)}")
+    ptx_rows = (ChosenRows(tokenizer, pairs, pc.max_length, pc.micro_batch_size, rank, world, cfg.run.seed)
+                if pc.ptx_coef else None)
+    stat_names = ["policy_loss", "value_loss", "clip_frac", "entropy"] + (["ptx_loss"] if ptx_rows is not None else [])
 
     torch.manual_seed(cfg.run.seed)
     actor = AutoModelForCausalLM.from_pretrained(sft_dir)
@@ -148,8 +150,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             rewards = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
             advantages, returns = gae(rewards, old_values, mask.float(), pc.gamma, pc.lam)
             advantages = whiten(advantages, mask.float())
-        stats = dict.fromkeys(["policy_loss", "value_loss", "clip_frac", "entropy"], 0.0)
-        stats.update({"ptx_loss": 0.0} if ptx_rows is not None else {})
+        stats = dict.fromkeys(stat_names, 0.0)
         finite = all_finite(device, score, advantages)
         for epoch in range(pc.ppo_epochs if finite else 0):
             for k, mb in enumerate(torch.arange(per_rank).split(pc.micro_batch_size)):
@@ -160,10 +161,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, pc.cliprange_value)
                 ptx_loss = torch.zeros((), device=device)
                 if ptx_rows is not None:  # PPO-ptx: the update's own rows of the chosen responses
-                    update = (step - 1) * updates + epoch * minibatches + k
-                    x, a, y = (t.to(device) for t in ptx_rows.batch(update, pc.micro_batch_size, rank, world,
-                                                                     tokenizer.pad_token_id))
-                    ptx_loss = causal_lm_loss(actor_engine(input_ids=x, attention_mask=a).logits, y)
+                    ptx_loss = ptx_rows.loss(actor_engine, (step - 1) * updates + epoch * minibatches + k, device)
                 if not all_finite(device, pg_loss, v_loss, ptx_loss):
                     finite = False
                     break
@@ -171,10 +169,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 actor_engine.step()
                 critic_engine.backward(v_loss)
                 critic_engine.step()
-                for name, v in (("policy_loss", pg_loss), ("value_loss", v_loss), ("clip_frac", clip_frac),
-                                ("entropy", masked_mean(entropy, m)), ("ptx_loss", ptx_loss)):
-                    if name in stats:
-                        stats[name] += v.item() / updates
+                for name, v in zip(stat_names, (pg_loss, v_loss, clip_frac, masked_mean(entropy, m), ptx_loss)):
+                    stats[name] += v.item() / updates
             if not finite:
                 break
         if not finite:

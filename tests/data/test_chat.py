@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from data.chat import SupervisedRows, chosen_rows, collate, encode_conversations, encode_pairs, pack, positions
+from data.chat import ChosenRows, collate, encode_conversations, encode_pairs, pack, positions
 from data.tokenizer import save_hf, train_bpe
 from model.losses import IGNORE, pairwise_reward_loss
 
@@ -70,25 +70,12 @@ def test_pairwise_loss_by_hand():
 def test_chosen_rows_train_on_the_chosen_response_only(tokenizer):
     pairs = [{"prompt": [{"role": "user", "content": "hello"}], "chosen": "yes", "rejected": "no"},
              {"prompt": [{"role": "user", "content": "hello there"}], "chosen": "no", "rejected": "yes"}]
-    rows = chosen_rows(tokenizer, pairs, 64, seed=0)
+    rows = ChosenRows(tokenizer, pairs, 64, micro_batch=1, rank=0, world=1, seed=0)
     (ids, labels), = encode_conversations(tokenizer, [{"messages": pairs[0]["prompt"] + [
         {"role": "assistant", "content": "yes"}]}], 64, True, "skip").examples
     assert (ids, labels) in rows.examples and len(rows.examples) == 2
     with pytest.raises(Exception, match="preference.max_length=4"):
-        chosen_rows(tokenizer, pairs, 4, seed=0)
-
-
-def test_supervised_rows_depend_on_update_and_rank_alone():
-    examples = [([i, i + 1], [IGNORE, i + 1]) for i in range(10)]
-    rows, again = SupervisedRows(examples, seed=3), SupervisedRows(examples, seed=3)
-
-    def firsts(batch):  # each row's first token names it
-        return batch[0][:, 0].tolist()
-
-    assert firsts(rows.batch(7, 2, 1, 2, 0)) == firsts(again.batch(7, 2, 1, 2, 0))  # a resumed run draws the same
-    step = [firsts(rows.batch(0, 2, r, 2, 0)) for r in range(2)] + [firsts(rows.batch(1, 2, r, 2, 0)) for r in range(2)]
-    assert len({i for b in step for i in b}) == 8  # ranks and updates draw different rows
-    assert sorted(i for u in range(5) for i in firsts(rows.batch(u, 2, 0, 1, 0))) == list(range(10))  # one pass
+        ChosenRows(tokenizer, pairs, 4, micro_batch=1, rank=0, world=1, seed=0)
 
 
 def test_positions_skip_left_padding():

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from data.loader import TokenWindows, eval_batches
+from data.loader import DistributedOrder, TokenWindows, eval_batches
 from data.shards import unigram_entropy
 
 
@@ -43,3 +43,12 @@ def test_eval_batches_cover_disjoint_windows():
 def test_unigram_entropy_by_hand():
     assert unigram_entropy(np.array([1, 1, 2, 2])) == pytest.approx(np.log(2))
     assert unigram_entropy(np.array([5, 5, 5])) == pytest.approx(0.0)
+
+
+def test_ids_at_a_micro_step_depend_on_the_step_and_rank_alone():
+    """How the ptx rows of an update are drawn: as a run drawing in order would get them, in any order of asking."""
+    ranks = [DistributedOrder(10, 2, rank=r, world=2, seed=3) for r in range(2)]
+    drawn = [[o.next_ids().tolist() for o in ranks] for _ in range(5)]  # crosses an epoch
+    fresh = [DistributedOrder(10, 2, rank=r, world=2, seed=3) for r in range(2)]
+    assert [[o.ids_at(s).tolist() for o in fresh] for s in (4, 0, 3, 1, 2)] == [drawn[s] for s in (4, 0, 3, 1, 2)]
+    assert len({i for s in (0, 1) for ids in drawn[s] for i in ids}) == 8  # ranks and steps draw different rows
