@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 # Bumped when a part's generator changes, so that only the stages reading that part recompute.
-VERSIONS = {"pretrain": 4, "sft": 1, "preference": 6}
+VERSIONS = {"pretrain": 4, "sft": 1, "preference": 7}
 
 WORDS = ("cat dog sun red blue tree book fish bird car hat cup box pen map egg king moon star ship "
          "rain snow wind fire milk bread apple green door road lamp bell ring rose sand song "
@@ -123,7 +123,11 @@ def _wrong_answer(item: Item, rng: random.Random) -> str:
         return rng.choice([w, f"{other} {other}", f"{w} {other}", f"{w} {w} {w}"])
     right = int(item.answer)
     if item.task in ("max", "min"):
-        return str(min(item.args) if item.task == "max" else max(item.args))
+        # the other number, or a near miss of the right one: the SFT model's own wrong answers are mostly
+        # neighbours of the operand it meant to copy ("89 or 3" -> 90), rarely the other operand
+        other = min(item.args) if item.task == "max" else max(item.args)
+        candidates = [other, other, right - 1, right + 1, right - 2, right + 2]
+        return str(rng.choice([c for c in candidates if 0 <= c <= 99 and c != right]))
     if item.task == "succ":
         n = item.args[0]
         candidates = [n, n + 2, n - 1]

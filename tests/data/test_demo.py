@@ -26,4 +26,13 @@ def test_items_have_verifiable_answers_and_wrong_rejections():
     assert make_item("max", (37, 52)).answer == "52"
     data = generate(seed=0, preference_pairs=300)
     assert all(p["chosen"] != p["rejected"] for p in data.preference)
+    # max/min: the other operand or a near miss of the right one, both kinds present
+    kinds = set()
+    for p in data.preference:
+        question = p["prompt"][0]["content"]
+        if question.startswith("Which is"):
+            a, b = (int(w.strip("?,")) for w in question.split()[-3::2])
+            right, wrong = int(p["chosen"]), int(p["rejected"])
+            kinds.add("other" if wrong == a + b - right else "near" if 0 < abs(wrong - right) <= 2 else "bad")
+    assert kinds == {"other", "near"}, kinds
     assert sum(is_held_out(make_item("add2", (a, b))) for a in range(10, 100) for b in range(10, 100)) > 500
