@@ -134,7 +134,8 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
     pairs = loaders.preference_pairs(cfg.data).train
     if pc.ptx_coef:
-        rows = ChosenRows(tokenizer, pairs, pc.max_length, pc.micro_batch_size, rank, world, cfg.run.seed)
+        accumulation = pc.global_batch_size // (pc.micro_batch_size * world)  # an update: one optimizer step
+        rows = ChosenRows(tokenizer, pairs, pc.max_length, pc.ptx_rows(world, accumulation), rank, world, cfg.run.seed)
         trainer_cls = with_ptx(trainer_cls, rows, pc.ptx_coef)
     # The demo's chosen responses are the verified answers.
     train = Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])

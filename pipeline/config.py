@@ -192,10 +192,20 @@ class PreferenceSection(TrainSection):
     ptx_coef: float = Field(0.0, ge=0, description="PPO/GRPO/RLOO: weight of a supervised loss on the preference "
                             "pairs' chosen responses, added to the policy loss at every update on as many rows as the "
                             "update's responses (InstructGPT's PPO-ptx, OpenRLHF's ptx_coef); 0 disables.")
+    ptx_batch_size: int | None = Field(None, ge=1, description="PPO/GRPO/RLOO: rows of chosen responses in the ptx "
+                                       "loss of each policy update, over all processes (PPO updates once per "
+                                       "minibatch, TRL once per optimizer step); None: as many as the update's "
+                                       "responses. Those rows cost a forward and backward pass, no generation.")
     max_bad_steps: int = Field(3, ge=0, description="Steps with a NaN/Inf reward or loss skipped before the stage fails.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for rollouts.")
     top_k: int = Field(0, ge=0, description="Top-k for rollouts (0 disables).")
     top_p: float = Field(1.0, gt=0, le=1, description="Top-p for rollouts.")
+
+    def ptx_rows(self, world: int, micro_steps_per_update: int) -> int:
+        """Rows of chosen responses on each process in each micro-batch of the ptx loss, when a policy update
+        takes `micro_steps_per_update` micro-batches on each process."""
+        per_update = self.ptx_batch_size or self.micro_batch_size * world * micro_steps_per_update
+        return per_update // (world * micro_steps_per_update)
 
 
 class EvalSection(Section):
@@ -230,6 +240,11 @@ class PipelineConfig(Section):
             if down_s.enabled and not up_s.enabled:
                 raise ValueError(f"{down}.enabled is true but its input stage {up} is disabled ({up}.enabled=false)")
         online = {"ppo", "grpo", "rloo"} & set(preference_algorithms(self))
+        pc = self.preference
+        micro_steps = pc.global_batch_size // pc.micro_batch_size  # micro-batches of one TRL step, all processes
+        if pc.enabled and online and pc.ptx_coef and pc.ptx_batch_size and pc.ptx_batch_size % micro_steps:
+            raise ValueError(f"preference.ptx_batch_size={pc.ptx_batch_size} is not divisible by global_batch_size/"
+                             f"micro_batch_size = {micro_steps}, the micro-batches of one update over all processes")
         if self.preference.enabled and self.preference.verifier_reward and online and self.data.preference != "demo":
             raise ValueError(f"preference.verifier_reward needs data.preference: demo (the verifier knows the demo's "
                              f"answers), not {self.data.preference!r}; set it to false for {', '.join(sorted(online))}")

@@ -104,8 +104,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     minibatches = per_rank // pc.micro_batch_size
     if len(prompts) < per_rank * world:
         raise DataError(f"too few prompts for PPO: {len(prompts)}")
-    ptx_rows = (ChosenRows(tokenizer, pairs, pc.max_length, pc.micro_batch_size, rank, world, cfg.run.seed)
-                if pc.ptx_coef else None)
+    ptx_rows = (ChosenRows(tokenizer, pairs, pc.max_length, pc.ptx_rows(world, 1), rank, world, cfg.run.seed)
+                if pc.ptx_coef else None)  # an update: one minibatch
     stat_names = ["policy_loss", "value_loss", "clip_frac", "entropy"] + (["ptx_loss"] if ptx_rows is not None else [])
 
     torch.manual_seed(cfg.run.seed)

@@ -45,6 +45,8 @@ def test_wrong_type_names_the_key():
     (["data.preference=pairs.jsonl", "preference.algorithm=[dpo,ppo]", "preference.verifier_reward=true"],
      r"preference.verifier_reward needs data.preference: demo .* for ppo"),
     (["data.preference=pairs.jsonl", "reward.policy_samples=100"], r"reward.policy_samples needs data.preference: demo"),
+    (["preference.algorithm=grpo", "preference.global_batch_size=64", "preference.ptx_batch_size=6"],
+     r"preference.ptx_batch_size=6 is not divisible by global_batch_size/micro_batch_size = 4"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -55,6 +57,16 @@ def test_the_verifier_is_ignored_where_no_online_algorithm_runs():
     cfg = load_config(TINY, ["data.preference=pairs.jsonl", "preference.algorithm=dpo", "preference.verifier_reward=true",
                              "reward.policy_samples=0"])
     assert cfg.preference.verifier_reward
+
+
+def test_ptx_rows_per_micro_batch():
+    """The ptx rows of an update spread over processes and micro-batches; by default one per response."""
+    pc = load_config(TINY, ["preference.global_batch_size=64", "preference.micro_batch_size=8"]).preference
+    assert pc.ptx_rows(world=2, micro_steps_per_update=4) == 8  # TRL: 64 completions a step, 8 per micro-batch
+    assert pc.ptx_rows(world=2, micro_steps_per_update=1) == 8  # PPO: an update is one minibatch of 8 a process
+    pc = pc.model_copy(update={"ptx_batch_size": 256})
+    assert pc.ptx_rows(world=2, micro_steps_per_update=4) == 32
+    assert pc.ptx_rows(world=2, micro_steps_per_update=1) == 128
 
 
 def test_config_errors_exit_2_before_anything_starts(tmp_path):
