@@ -62,6 +62,7 @@ def test_the_verifier_is_ignored_where_no_online_algorithm_runs():
 def test_ptx_rows_per_micro_batch():
     """The ptx rows of an update spread over processes and micro-batches; by default one per response."""
     pc = load_config(TINY, ["preference.global_batch_size=64", "preference.micro_batch_size=8"]).preference
+    pc = pc.model_copy(update={"ptx_batch_size": None})
     assert pc.ptx_rows(world=2, micro_steps_per_update=4) == 8  # TRL: 64 completions a step, 8 per micro-batch
     assert pc.ptx_rows(world=2, micro_steps_per_update=1) == 8  # PPO: an update is one minibatch of 8 a process
     pc = pc.model_copy(update={"ptx_batch_size": 256})
