@@ -115,7 +115,6 @@ def positions(attention: torch.Tensor) -> torch.Tensor:
     return (attention.long().cumsum(-1) - 1).clamp(min=0)
 
 
-
 class ChosenRows:
     """The preference pairs' prompts with their chosen responses, loss on the response: the supervised (ptx)
     rows of the online preference stages. The rows of update `u` on a rank are DistributedOrder's micro-step
@@ -129,7 +128,7 @@ class ChosenRows:
         self.examples = encode_conversations(tokenizer, conversations, max_length, True, "skip").examples
         if len(self.examples) < micro_batch * world:
             raise DataError(f"{len(self.examples)} preference pairs fit preference.max_length={max_length}, fewer "
-                            f"than the {micro_batch}x{world} rows of one update of the ptx loss")
+                            f"than the {micro_batch}x{world} rows of one micro-batch of the ptx loss")
         self.order = DistributedOrder(len(self.examples), micro_batch, rank, world, seed)
         self.pad_id = tokenizer.pad_token_id
 

@@ -133,10 +133,6 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
     rank, world, _ = T.setup_distributed()
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
     pairs = loaders.preference_pairs(cfg.data).train
-    if pc.ptx_coef:
-        accumulation = pc.global_batch_size // (pc.micro_batch_size * world)  # an update: one optimizer step
-        rows = ChosenRows(tokenizer, pairs, pc.max_length, pc.ptx_rows(world, accumulation), rank, world, cfg.run.seed)
-        trainer_cls = with_ptx(trainer_cls, rows, pc.ptx_coef)
     # The demo's chosen responses are the verified answers.
     train = Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])
     # (reward function, its weight, its tokenizer): the reward model, and the demo verifier if asked for
@@ -148,6 +144,10 @@ def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_
                       temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
                       reward_weights=reward_weights,
                       **({"scale_rewards": pc.scale_rewards} if stage == "grpo" else {}))
+    if pc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
+        rows = ChosenRows(tokenizer, pairs, pc.max_length, pc.ptx_rows(world, args.gradient_accumulation_steps),
+                          rank, world, cfg.run.seed)
+        trainer_cls = with_ptx(trainer_cls, rows, pc.ptx_coef)
     policy = positions_from_mask(AutoModelForCausalLM.from_pretrained(sft_dir))
     trainer = trainer_cls(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=train,
                           processing_class=tokenizer, reward_processing_classes=reward_tokenizers,

@@ -190,8 +190,8 @@ class PreferenceSection(TrainSection):
     verifier_weight: float = Field(1.0, ge=0, description="Weight of the verifier reward.")
     reward_model_weight: float = Field(1.0, ge=0, description="PPO/GRPO/RLOO: weight of the reward model's score.")
     ptx_coef: float = Field(0.0, ge=0, description="PPO/GRPO/RLOO: weight of a supervised loss on the preference "
-                            "pairs' chosen responses, added to the policy loss at every update on as many rows as the "
-                            "update's responses (InstructGPT's PPO-ptx, OpenRLHF's ptx_coef); 0 disables.")
+                            "pairs' chosen responses, added to the policy loss at every update on ptx_batch_size rows "
+                            "(InstructGPT's PPO-ptx, OpenRLHF's ptx_coef); 0 disables.")
     ptx_batch_size: int | None = Field(None, ge=1, description="PPO/GRPO/RLOO: rows of chosen responses in the ptx "
                                        "loss of each policy update, over all processes (PPO updates once per "
                                        "minibatch, TRL once per optimizer step); None: as many as the update's "
