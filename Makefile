@@ -7,20 +7,23 @@ export HF_DATASETS_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: run test setup bench clean
+.PHONY: run test lint setup bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e .
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 run: $(STAMP)
 	.venv/bin/gptforge run -c $(CONFIG)
 
-test: $(STAMP)
+lint: $(STAMP)
+	.venv/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -15,20 +15,20 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from gptforge.core.config import load_config
+from gptforge.data import loaders
+from gptforge.data.chat import left_pad, prompt_ids
+from gptforge.model.distributed import setup_distributed
+from gptforge.model.engine import init_engine
+from gptforge.model.evaluate import reward_scores
+from gptforge.model.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, whiten
+from gptforge.pipeline.store import locate, read_manifest
+from gptforge.stages.ppo import build_critic, critic_values, policy_logprobs, rollout
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-
-from data import loaders  # noqa: E402
-from model import train as T  # noqa: E402
-from model.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, whiten  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.entry import locate  # noqa: E402
-from pipeline.store import read_manifest  # noqa: E402
-from data.chat import left_pad, prompt_ids  # noqa: E402
-from stages.ppo import build_critic, critic_values, policy_logprobs, rollout  # noqa: E402
 
 
 def timed(fn):
@@ -60,8 +60,9 @@ def main() -> None:
         torch.manual_seed(0)
         with torch.no_grad():
             # min_new_tokens: both runs produce exactly the same number of tokens
-            return actor.generate(input_ids=ids, attention_mask=attention, do_sample=True, max_new_tokens=args.new_tokens,
-                                  min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id, use_cache=cache)
+            return actor.generate(input_ids=ids, attention_mask=attention, do_sample=True, use_cache=cache,
+                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                  pad_token_id=tokenizer.pad_token_id)
 
     gen(True)  # warm-up
     with_cache, t_cache = timed(lambda: gen(True))
@@ -70,21 +71,22 @@ def main() -> None:
     print(f"generation, {args.prompts} prompts x {args.new_tokens} new tokens:")
     print(f"  KV cache:    {t_cache:7.2f}s  {tokens / t_cache:9,.0f} tokens/s")
     print(f"  no KV cache: {t_nocache:7.2f}s  {tokens / t_nocache:9,.0f} tokens/s")
-    print(f"  ratio cache/no cache: {t_nocache / t_cache:.2f}x  (same tokens: {torch.equal(with_cache, without_cache)})")
+    print(f"  ratio cache/no cache: {t_nocache / t_cache:.2f}x  "
+          f"(same tokens: {torch.equal(with_cache, without_cache)})")
 
     # One PPO iteration as the stage runs it, in a process group of one.
-    pc = cfg.preference.model_copy(update={"max_new_tokens": args.new_tokens, "global_batch_size": args.prompts,
+    pc = cfg.preference.model_copy(update={"global_batch_size": args.prompts,
                                            "micro_batch_size": min(args.prompts, cfg.preference.micro_batch_size)})
+    oc = cfg.preference.ppo.model_copy(update={"max_new_tokens": args.new_tokens})
     dist = cfg.distributed.model_copy(update={"nproc_per_node": 1, "zero_stage": 0})
-    rank, world, device = T.setup_distributed()
+    rank, world, device = setup_distributed()
     section = pc.model_copy(update={"global_batch_size": pc.micro_batch_size})
-    actor_engine, _, _ = T.init_engine(AutoModelForCausalLM.from_pretrained(sft_dir / "model"), section, dist, 1, device)
-    critic_engine, _, _ = T.init_engine(build_critic(reward_dir / "model"), section, dist, 1, device)
+    actor = AutoModelForCausalLM.from_pretrained(sft_dir / "model")
+    actor_engine, _, _ = init_engine(actor, section, dist, 1, device)
+    critic_engine, _, _ = init_engine(build_critic(reward_dir / "model"), section, dist, 1, device)
     ref = AutoModelForCausalLM.from_pretrained(sft_dir / "model").eval()
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir / "model").eval()
-    from model.evaluate import reward_scores
-
-    (seqs, attn, mask, P), t_gen = timed(lambda: rollout(actor_engine.module, tokenizer, prompts, pc, device, False))
+    (seqs, attn, mask, P), t_gen = timed(lambda: rollout(actor_engine.module, tokenizer, prompts, oc, device, False))
 
     def score():
         with torch.no_grad():
@@ -99,22 +101,22 @@ def main() -> None:
 
     def train():
         m = mask.float()
-        adv, ret = gae(token_rewards(s, old_logp, ref_logp, m, pc.beta), values, m, pc.gamma, pc.lam)
+        adv, ret = gae(token_rewards(s, old_logp, ref_logp, m, pc.beta), values, m, oc.gamma, oc.lam)
         adv = whiten(adv, m)
-        for _ in range(pc.ppo_epochs):
+        for _ in range(oc.ppo_epochs):
             for mb in torch.arange(len(prompts)).split(pc.micro_batch_size):
                 logp, _ = policy_logprobs(actor_engine, seqs[mb], attn[mb], P)
-                loss, _ = ppo_policy_loss(logp, old_logp[mb], adv[mb], m[mb], pc.cliprange)
+                loss, _ = ppo_policy_loss(logp, old_logp[mb], adv[mb], m[mb], oc.cliprange)
                 actor_engine.backward(loss)
                 actor_engine.step()
                 v_loss = ppo_value_loss(critic_values(critic_engine, seqs[mb], attn[mb], P), values[mb], ret[mb],
-                                        m[mb], pc.cliprange_value)
+                                        m[mb], oc.cliprange_value)
                 critic_engine.backward(v_loss)
                 critic_engine.step()
 
     _, t_train = timed(train)
     total = t_gen + t_score + t_train
-    print(f"one PPO iteration ({args.prompts} prompts, {pc.ppo_epochs} epochs, minibatch {pc.micro_batch_size}): "
+    print(f"one PPO iteration ({args.prompts} prompts, {oc.ppo_epochs} epochs, minibatch {pc.micro_batch_size}): "
           f"{total:.2f}s")
     for name, t in (("generation", t_gen), ("scoring", t_score), ("training", t_train)):
         print(f"  {name:10s} {t:7.2f}s  {t / total:6.1%}")

@@ -3,7 +3,7 @@ plain single-process PyTorch loop training the same `transformers` model on the 
 same global batch and sequence length. Both report training-step throughput (start-up, evaluation and
 checkpoints excluded), side by side in one run.
 
-    .venv/bin/python bench/pretrain.py [-c configs/tiny.yaml] [--steps 150] [--compile both|on|off] [--set key=value ...]
+    .venv/bin/python bench/pretrain.py [-c configs/tiny.yaml] [--steps 150] [--compile both|on|off] [--set k=v ...]
 
 The stage runs twice by default, eager and with `pretrain.compile` (torch.compile through DeepSpeed's
 engine.compile); the baseline is the loop a user writes, eager.
@@ -16,37 +16,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from gptforge.core.config import load_config
+from gptforge.data.loader import TokenWindows
+from gptforge.data.shards import load_split
+from gptforge.model.build import build_model, flops_per_token, peak_flops
+from gptforge.model.engine import lr_schedule
+from gptforge.model.losses import causal_lm_loss
+from gptforge.model.metrics import WARMUP_STEPS
+from gptforge.pipeline.launch import StageFailed, run_stage
+from gptforge.pipeline.store import RunRecord, locate
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-
-from data.loader import TokenWindows  # noqa: E402
-from data.shards import load_split  # noqa: E402
-from model.build import build_model, flops_per_token, peak_flops  # noqa: E402
-from model.losses import causal_lm_loss  # noqa: E402
-from model.train import warmup_cosine  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.entry import locate  # noqa: E402
-from pipeline.launch import stage_command, stage_env  # noqa: E402
-from pipeline.store import read_manifest  # noqa: E402
-from stages.pretrain import WARMUP_STEPS  # noqa: E402
 
 
 def stage(cfg, cfg_path: Path) -> dict:
-    for name in ("tokenize", "pretrain"):
-        proc = subprocess.run(stage_command(cfg, name, cfg_path), cwd=ROOT, env={**os.environ, **stage_env()},
-                              capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return read_manifest(locate(cfg, "pretrain")[0])["metrics"]
+    lines: list[str] = []
+    try:
+        for name in ("tokenize", "pretrain"):
+            manifest = run_stage(cfg, name, cfg_path, RunRecord(cfg), lines.append)
+    except StageFailed as e:
+        sys.exit(f"{e}\n" + "\n".join(lines[-60:]))
+    return manifest["metrics"]
 
 
 def baseline(cfg) -> float:
@@ -61,7 +59,7 @@ def baseline(cfg) -> float:
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model.arch(), vocab, cfg.model.dropout).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=pc.lr, betas=(0.9, 0.95), weight_decay=pc.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(pc))
+    sched = lr_schedule(opt, pc)
     loader = TokenWindows(tokens, pc.seq_len, pc.micro_batch_size, seed=cfg.run.seed)
     accum = pc.global_batch_size // pc.micro_batch_size
     amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -102,17 +100,20 @@ def main() -> None:
         runs[compiled] = stage(cfg, cfg_path)
     base = baseline(cfg)
     d, m = cfg.distributed, next(iter(runs.values()))
-    print(f"model {cfg.model.preset}: {m['parameters'] / 1e6:.2f}M params, global batch {cfg.pretrain.global_batch_size}"
-          f" x {cfg.pretrain.seq_len} tokens, {args.steps} steps ({WARMUP_STEPS} warm-up steps not timed)")
+    print(f"model {cfg.model.preset}: {m['parameters'] / 1e6:.2f}M params, global batch "
+          f"{cfg.pretrain.global_batch_size} x {cfg.pretrain.seq_len} tokens, {args.steps} steps "
+          f"({WARMUP_STEPS} warm-up steps not timed)")
     print(f"baseline (1 process, plain PyTorch, eager): {base:12,.0f} tokens/s")
     for compiled, m in runs.items():
-        name = f"gptforge ({d.launcher}, {d.world_size} processes, ZeRO-{d.zero_stage}, {'compiled' if compiled else 'eager'})"
+        mode = "compiled" if compiled else "eager"
+        name = f"gptforge ({d.launcher}, {d.world_size} processes, ZeRO-{d.zero_stage}, {mode})"
         print(f"{name}: {m['tokens_per_sec']:12,.0f} tokens/s  mfu {m['mfu']}  "
               f"ratio {m['tokens_per_sec'] / base:.2f}x (target >= 1.0x on 2 CPU cores)")
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if peak_flops(dev):
         n = m["parameters"]
-        print(f"baseline mfu: {flops_per_token(n, cfg.model.arch(), cfg.pretrain.seq_len) * base / peak_flops(dev):.1%}")
+        mfu = flops_per_token(n, cfg.model.arch(), cfg.pretrain.seq_len) * base / peak_flops(dev)
+        print(f"baseline mfu: {mfu:.1%}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# This file's folder must not shadow the standard library's `tokenize`: put the repo root there.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+# This file's folder must not shadow the standard library's `tokenize`.
+del sys.path[0]
 
 import argparse  # noqa: E402
 import os  # noqa: E402
@@ -25,9 +25,9 @@ import time  # noqa: E402
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from data.demo import generate  # noqa: E402
-from data.shards import encode_splits  # noqa: E402
-from data.tokenizer import train_bpe  # noqa: E402
+from gptforge.data.demo import generate  # noqa: E402
+from gptforge.data.shards import encode_splits  # noqa: E402
+from gptforge.data.tokenizer import train_bpe  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
-from data.sources import Row
-from pipeline.errors import DataError
+from gptforge.core.errors import DataError
+from gptforge.data.sources import Row
 
 
 class BadRow(ValueError):

@@ -10,9 +10,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from trl.trainer.utils import pad
 
-from data.loader import DistributedOrder
-from model.losses import IGNORE, causal_lm_loss
+from gptforge.core.errors import DataError
+from gptforge.data.loader import DistributedOrder
+
+IGNORE = -100  # the label of a token without loss (PyTorch's cross-entropy ignore_index)
 
 
 @dataclass
@@ -61,15 +64,9 @@ def pack(examples: list[tuple[list[int], list[int]]], max_length: int) -> list[t
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
     """Right-padded batch: input_ids (B, T), attention_mask (B, T), targets (B, T) = labels shifted left."""
-    T = max(len(x) for x, _ in examples)
-    input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(examples), T), dtype=torch.long)
-    targets = torch.full((len(examples), T), IGNORE, dtype=torch.long)
-    for i, (x, y) in enumerate(examples):
-        input_ids[i, :len(x)] = torch.tensor(x)
-        attention[i, :len(x)] = 1
-        targets[i, :len(y) - 1] = torch.tensor(y[1:])
-    return input_ids, attention, targets
+    ids = [torch.tensor(x) for x, _ in examples]
+    return (pad(ids, pad_id), pad([torch.ones_like(x) for x in ids], 0),
+            pad([torch.tensor(y[1:] + [IGNORE]) for _, y in examples], IGNORE))
 
 
 def encode_pairs(tokenizer, pairs: list[dict], max_length: int, on_too_long: str) -> Encoded:
@@ -100,13 +97,8 @@ def prompt_ids(tokenizer, prompt: list[dict]) -> list[int]:
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded batch for generation: input_ids (B, T) and attention_mask (B, T)."""
-    T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, T - len(r):] = torch.tensor(r)
-        mask[i, T - len(r):] = 1
-    return ids, mask
+    ids = [torch.tensor(r, dtype=torch.long) for r in rows]
+    return pad(ids, pad_id, "left"), pad([torch.ones_like(x) for x in ids], 0, "left")
 
 
 def positions(attention: torch.Tensor) -> torch.Tensor:
@@ -116,14 +108,12 @@ def positions(attention: torch.Tensor) -> torch.Tensor:
 
 
 class ChosenRows:
-    """The preference pairs' prompts with their chosen responses, loss on the response: the supervised (ptx)
+    """The preference pairs' prompts with their chosen responses, labels on the response: the supervised (ptx)
     rows of the online preference stages. The rows of update `u` on a rank are DistributedOrder's micro-step
     `u`, so a resumed run draws what an uninterrupted one would have."""
 
     def __init__(self, tokenizer, pairs: list[dict], max_length: int, micro_batch: int, rank: int, world: int,
                  seed: int):
-        from pipeline.errors import DataError
-
         conversations = [{"messages": p["prompt"] + [{"role": "assistant", "content": p["chosen"]}]} for p in pairs]
         self.examples = encode_conversations(tokenizer, conversations, max_length, True, "skip").examples
         if len(self.examples) < micro_batch * world:
@@ -132,7 +122,6 @@ class ChosenRows:
         self.order = DistributedOrder(len(self.examples), micro_batch, rank, world, seed)
         self.pad_id = tokenizer.pad_token_id
 
-    def loss(self, model, update: int, device) -> torch.Tensor:
-        """The causal-LM loss of `model` on this rank's rows of update `update`."""
-        x, a, y = collate([self.examples[i] for i in self.order.ids_at(update)], self.pad_id)
-        return causal_lm_loss(model(input_ids=x.to(device), attention_mask=a.to(device)).logits, y.to(device))
+    def batch(self, update: int):
+        """This rank's rows of update `update`, collated: input_ids, attention_mask, targets, (B, T) each."""
+        return collate([self.examples[i] for i in self.order.ids_at(update)], self.pad_id)

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 # Bumped when a part's generator changes, so that only the stages reading that part recompute.
-VERSIONS = {"pretrain": 4, "sft": 1, "preference": 7}
+VERSIONS = {"pretrain": 4, "sft": 1, "preference": 7, "eval": 1}
 
 WORDS = ("cat dog sun red blue tree book fish bird car hat cup box pen map egg king moon star ship "
          "rain snow wind fire milk bread apple green door road lamp bell ring rose sand song "
@@ -181,8 +181,10 @@ def generate(seed: int = 0, pretrain_docs: int = 20000, sft_items: int = 3000,
 
 
 def part_settings(which: str, demo) -> dict:
-    """What determines one part of the demo data (the fingerprint of `data.<which>: demo`)."""
-    size = {"pretrain": demo.pretrain_docs, "sft": demo.sft_items, "preference": demo.preference_pairs}[which]
+    """What determines one part of the demo data (the fingerprint of `data.<which>: demo`, or of the held-out
+    items with `which="eval"`)."""
+    size = {"pretrain": demo.pretrain_docs, "sft": demo.sft_items, "preference": demo.preference_pairs,
+            "eval": demo.eval_items}[which]
     held_out = None if which == "pretrain" else demo.eval_items  # validation rows come from held-out items
     return {"part": which, "seed": demo.seed, "size": size, "eval_items": held_out, "version": VERSIONS[which]}
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from functools import partial
 
-from data import demo
-from data.adapters import Normalised, normalise, to_messages, to_pair, to_text
-from data.sources import fingerprint_source, kind_of, read_rows
-
+from gptforge.data import demo
+from gptforge.data.adapters import Normalised, normalise, to_messages, to_pair, to_text
+from gptforge.data.sources import fingerprint_source, kind_of, read_rows
 
 VAL_EVERY = 20  # for files and hub data: every 20th row is held out for validation
 
@@ -65,6 +65,11 @@ def answered_prompts(pairs: list[dict]) -> list[tuple[list[dict], str]]:
 def eval_items(data_cfg) -> list[dict]:
     """Held-out verifiable items ({"task", "prompt", "answer"}), from the demo generator."""
     return demo.from_settings(data_cfg.demo).eval
+
+
+def eval_fingerprint(data_cfg) -> str:
+    """Fingerprint of the held-out items that `eval_items` returns."""
+    return hashlib.sha256(json.dumps(demo.part_settings("eval", data_cfg.demo), sort_keys=True).encode()).hexdigest()
 
 
 def source_fingerprint(data_cfg, which: str) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 

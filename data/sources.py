@@ -8,11 +8,12 @@ import glob
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from pipeline.errors import DataError
+from gptforge.core.errors import DataError
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 GLOB_CHARS = "*?["

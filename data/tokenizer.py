@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.errors import ConfigError
+from gptforge.core.errors import ConfigError
 
 # ChatML with {% generation %} markers, so `return_assistant_tokens_mask=True` gives the
 # assistant-only loss mask. START/END are replaced by the configured special tokens. The newline
@@ -47,15 +47,16 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, special
     return tok
 
 
-def save_hf(tok: Tokenizer, out_dir: Path, special_tokens: list[str], model_max_length: int) -> None:
-    """Save as Hugging Face tokenizer files that `AutoTokenizer.from_pretrained` loads without gptforge."""
+def save_hf(tok: Tokenizer, out_dir: Path, special_tokens: list[str]) -> None:
+    """Save as Hugging Face tokenizer files that `AutoTokenizer.from_pretrained` loads without gptforge.
+    The context length (`model_max_length`) is the model's: the stage that builds the model sets it."""
     from transformers import PreTrainedTokenizerFast
 
     eos, start, end = special_tokens[0], special_tokens[1], special_tokens[2]
     pad = special_tokens[3] if len(special_tokens) > 3 else eos
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=pad, unk_token=None,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=False,
         additional_special_tokens=[t for t in special_tokens if t not in (eos, pad)])
     hf.chat_template = CHAT_TEMPLATE.replace("START", start).replace("END", end)
     hf.save_pretrained(out_dir)

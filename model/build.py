@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from model.presets import Arch
+from gptforge.core.presets import Arch
 
 
 def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | None = None):
@@ -40,11 +40,6 @@ def build_model(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict 
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(hf_config(arch, vocab_size, dropout, tokens), attn_implementation="sdpa")
-
-
-def count_params(model: torch.nn.Module) -> int:
-    """Unique parameters (tied embeddings counted once); works on the meta device."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def flops_per_token(n_params: int, arch: Arch, seq_len: int) -> float:

@@ -1,4 +1,5 @@
-"""Held-out evaluation by generation: exact match of greedy answers to verifiable items."""
+"""Held-out evaluation by generation: exact match of greedy answers to verifiable items, and the preference
+report (the policy against the SFT model, judged by the reward model, and the KL between them)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from data.chat import left_pad, prompt_ids
+from gptforge.core.errors import UserError
+from gptforge.data.chat import collate, left_pad, prompt_ids
 
 
 def stop_ids(model) -> set[int]:
@@ -33,19 +35,21 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, b
     return responses
 
 
+def verify(responses: list[str], answers: list[str]) -> list[float]:
+    """The demo's verifier: 1 for a response that is exactly its known answer (whitespace-trimmed), else 0."""
+    return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
+
+
 def exact_match(model, tokenizer, items: list[dict], max_new_tokens: int) -> tuple[float, list[str]]:
-    """Fraction of items whose greedy response equals the answer (whitespace-trimmed); and the responses."""
+    """Fraction of items whose greedy response is the known answer (`verify`); and the responses."""
     responses = generate(model, tokenizer, [it["prompt"] for it in items], max_new_tokens)
-    hits = sum(r == it["answer"] for r, it in zip(responses, items))
-    return hits / len(items), responses
+    return sum(verify(responses, [it["answer"] for it in items])) / len(items), responses
 
 
 @torch.no_grad()
 def reward_scores(reward_model, tokenizer, prompts: list[list[dict]], responses: list[str],
                   batch_size: int = 64) -> list[float]:
     """The reward model's score of each prompt + response (the response as the assistant turn)."""
-    from data.chat import collate
-
     reward_model.eval()
     scores = []
     for i in range(0, len(prompts), batch_size):
@@ -84,48 +88,38 @@ def sample_response_ids(model, tokenizer, prompt: list[dict], max_new_tokens: in
     return out[:cut]
 
 
+def win_rate(answers: list[str], other_answers: list[str], scores: list[float], other_scores: list[float]) -> float:
+    """Share of prompts whose answer the reward model scores above the other's; the same answer, or the same
+    score, is a tie and counts half."""
+    wins = [0.5 if a == b or s == t else float(s > t)
+            for a, b, s, t in zip(answers, other_answers, scores, other_scores)]
+    return sum(wins) / len(wins)
+
+
 def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
-                      seed: int = 0) -> dict:
+                      seed: int = 0) -> tuple[dict, list[str]]:
     """Held-out metrics of a preference stage: exact match of the policy and of the SFT model, the reward
     model's mean score of the policy's answers, its win rate against the SFT model's answers (ties count
-    half), and KL(policy || SFT) estimated on samples from the policy (nats per response)."""
+    half), and KL(policy || SFT) estimated on samples from the policy (nats per response); and the policy's
+    greedy answers."""
     prompts = [it["prompt"] for it in items]
     em, policy_answers = exact_match(policy, tokenizer, items, max_new_tokens)
     sft_em, sft_answers = exact_match(sft, tokenizer, items, max_new_tokens)
     policy_scores = reward_scores(reward_model, tokenizer, prompts, policy_answers)
     sft_scores = reward_scores(reward_model, tokenizer, prompts, sft_answers)
-    wins = [0.5 if a == b or p == s else float(p > s)
-            for a, b, p, s in zip(policy_answers, sft_answers, policy_scores, sft_scores)]
     samples = [sample_response_ids(policy, tokenizer, p, max_new_tokens, seed + i) for i, p in enumerate(prompts)]
     kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, samples),
                                 response_logprobs(sft, tokenizer, prompts, samples))]
-    return {"exact_match": em, "sft_exact_match": sft_em, "win_rate_vs_sft": sum(wins) / len(wins),
-            "reward_mean": sum(policy_scores) / len(policy_scores), "kl": sum(kl) / len(kl)}
+    return {"exact_match": em, "sft_exact_match": sft_em,
+            "win_rate_vs_sft": win_rate(policy_answers, sft_answers, policy_scores, sft_scores),
+            "reward_mean": sum(policy_scores) / len(policy_scores), "kl": sum(kl) / len(kl)}, policy_answers
 
 
 def check_same_vocabulary(a, b, what: str) -> None:
     """Raise a UserError when two tokenizers do not share one vocabulary."""
-    from pipeline.errors import UserError
-
     if a.get_vocab() != b.get_vocab():
         raise UserError(f"{what}: vocabularies differ ({len(a)} vs {len(b)} tokens); "
                         "the policy, reference and reward model must share one tokenizer")
-
-
-def preference_metrics(cfg, stage: str, policy_dir: Path, sft_dir: Path, reward_dir: Path) -> dict:
-    """preference_report of an exported policy against the SFT model, judged by the reward model, on the
-    held-out items of the config's data."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    from data.loaders import eval_items
-
-    items = eval_items(cfg.data)[:cfg.eval.items]
-    metrics = preference_report(AutoModelForCausalLM.from_pretrained(policy_dir),
-                                AutoModelForCausalLM.from_pretrained(sft_dir),
-                                AutoModelForSequenceClassification.from_pretrained(reward_dir),
-                                AutoTokenizer.from_pretrained(policy_dir), items, cfg.eval.max_new_tokens, cfg.run.seed)
-    print(f"[{stage}] {metrics}", flush=True)
-    return metrics
 
 
 def policy_and_judge(inputs: dict[str, Path]):

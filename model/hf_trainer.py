@@ -1,58 +1,103 @@
-"""What the TRL-based preference stages (dpo, grpo, rloo) share: the Trainer arguments built from a
-config section (DeepSpeed ZeRO config, batch, schedule, checkpoints), resume from the newest Trainer
-checkpoint, metrics into logs/metrics.jsonl, export and the held-out report.
+"""What the TRL-based preference stages (dpo, grpo, rloo) share: the Trainer arguments built from the config
+(the ZeRO config, batch, the schedule our loops use, checkpoints), their logs in our metric names, resume from
+the newest Trainer checkpoint, the rewards of the online ones, their ptx term, and the position-id hook.
 
-TRL trainers run under `accelerate launch` with DeepSpeed (under the plain `deepspeed` launcher on a
-CPU each rank believes it is alone), so pipeline.launch starts these stages with accelerate.
+TRL trainers run under `accelerate launch` with DeepSpeed (under the plain `deepspeed` launcher on a CPU each
+rank believes it is alone), so gptforge.pipeline.launch starts these stages with accelerate.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from data.chat import ChosenRows, positions
-from model.train import DS_CONFIGS
+from gptforge.data.chat import ChosenRows, positions
+from gptforge.model.engine import min_lr_rate, zero_config
+from gptforge.model.evaluate import verify
+from gptforge.model.losses import causal_lm_loss
+from gptforge.model.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer
 
 
 def trainer_kwargs(section, dist, world: int, out_dir: Path, seed: int) -> dict:
     """TrainingArguments fields shared by every TRL stage."""
     cuda = torch.cuda.is_available()
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out_dir / "logs" / "tb")  # transformers 5 reads it from here
-    ds = json.loads((DS_CONFIGS / f"zero{dist.zero_stage}.json").read_text())
-    if dist.offload_optimizer:
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-        ds["zero_force_ds_cpu_optimizer"] = False
+    device = torch.device("cuda" if cuda else "cpu")
     return dict(
-        output_dir=str(out_dir / "checkpoints"), seed=seed, data_seed=seed, deepspeed=ds,
+        output_dir=str(out_dir / "checkpoints"), seed=seed, data_seed=seed, deepspeed=zero_config(dist, device),
         per_device_train_batch_size=section.micro_batch_size,
         gradient_accumulation_steps=section.global_batch_size // (section.micro_batch_size * world),
-        learning_rate=section.lr, lr_scheduler_type="cosine", warmup_steps=section.warmup_steps,
+        learning_rate=section.lr, lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": min_lr_rate(section)}, warmup_steps=section.warmup_steps,
         max_steps=section.max_steps, weight_decay=section.weight_decay, max_grad_norm=section.grad_clip,
         adam_beta2=0.95, logging_steps=section.log_every, save_strategy="steps", save_steps=section.save_every,
-        save_total_limit=section.keep_last, report_to=["tensorboard"],
-        use_cpu=not cuda, bf16=cuda and dist.precision in ("auto", "bf16"), gradient_checkpointing=dist.activation_checkpointing,
+        save_total_limit=section.keep_last, report_to=[],  # our TrainerMetrics writes the JSONL and TensorBoard
+        use_cpu=not cuda, bf16=cuda and dist.precision in ("auto", "bf16"),
+        gradient_checkpointing=dist.activation_checkpointing,
         disable_tqdm=False, dataloader_num_workers=0, remove_unused_columns=False,
     )
 
 
-class JsonlMetrics(TrainerCallback):
-    """Each Trainer log record as a line of logs/metrics.jsonl (rank 0), as the other stages write."""
+class TrainerMetrics(TrainerCallback):
+    """The Trainer's logs in our metric names, through our MetricsLog (logs/metrics.jsonl and TensorBoard,
+    truncated to the checkpoint a resumed run starts from), with `tokens_per_sec` counted as our loops count it:
+    TRL's token counter over the time spent in training steps, log windows that hold any of the first
+    WARMUP_STEPS steps of a start left out."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.last: dict = {}  # the last record logged
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.log = MetricsLog(self.log_dir, 0 if state.is_world_process_zero else 1, resume_step=state.global_step)
+        self.throughput = Throughput(warmup=0)  # fed whole log windows, warm-up windows left out
+        self.steps = 0
+        self.window_seconds, self.window_steps, self.window_timed = 0.0, 0, 0
+        self.tokens_seen = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        self.window_steps += 1
+        if self.steps > WARMUP_STEPS:
+            self.window_timed += 1
+            self.window_seconds += time.perf_counter() - self.t0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+        metrics = from_trainer(logs or {})
+        tokens = (logs or {}).get("num_tokens")
+        if tokens is not None:
+            if self.tokens_seen is not None and self.window_timed == self.window_steps and self.window_seconds:
+                self.throughput.step(self.window_seconds, tokens - self.tokens_seen)
+                metrics["tokens_per_sec"] = self.throughput.window_rate()
+            self.tokens_seen = tokens
+            self.window_seconds, self.window_steps, self.window_timed = 0.0, 0, 0
+        if metrics:
+            self.log.log(state.global_step, **metrics)
+            self.last = metrics
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.log.close()
+
+    def final(self) -> dict:
+        """The stage's final training metrics."""
+        return {"train_loss": self.last.get("loss"), "tokens_per_sec": self.throughput.rate()}
+
+
+class NoFinalCheckpoint(TrainerCallback):
+    """No Trainer checkpoint at the last step, as our loops keep none there: the export follows at once, and the
+    Trainer resumed from a checkpoint at max_steps takes one step more than max_steps (seen with DPO)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_save = False
+        return control
 
 
 def resume_point(out_dir: Path, stage: str, rank: int) -> str | None:
@@ -60,17 +105,8 @@ def resume_point(out_dir: Path, stage: str, rank: int) -> str | None:
     ckpt_dir = out_dir / "checkpoints"
     last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
     if last and rank == 0:
-        print(f"[{stage}] resumed from {last}", flush=True)
+        print(f"[{stage}] resumed from {last}", file=sys.stderr, flush=True)
     return last
-
-
-def export(trainer, tokenizer, sft_dir: Path, out: Path) -> None:
-    """The trained policy as a Hugging Face directory (ZeRO-3 gathered by the Trainer), with the SFT
-    model's generation config."""
-    trainer.save_model(str(out))
-    if trainer.accelerator.is_main_process:
-        tokenizer.save_pretrained(out)
-        shutil.copy(sft_dir / "generation_config.json", out / "generation_config.json")
 
 
 def positions_from_mask(model: torch.nn.Module) -> torch.nn.Module:
@@ -94,10 +130,10 @@ def positions_from_mask(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def with_ptx(trainer_cls, rows, coef: float):
-    """`trainer_cls` with coef * the loss of `rows` (data.chat.ChosenRows) added to each micro-batch's policy
-    loss: PPO-ptx (InstructGPT), for TRL's GRPO and RLOO. The update that picks the rows is counted from the
-    optimizer step and the micro-step within it, so a resumed run draws the same."""
+def with_ptx(trainer_cls, rows: ChosenRows, coef: float):
+    """`trainer_cls` with coef * the loss of `rows` added to each micro-batch's policy loss: PPO-ptx
+    (InstructGPT), for TRL's GRPO and RLOO. The update that picks the rows is counted from the optimizer step
+    and the micro-step within it, so a resumed run draws the same."""
 
     class PtxTrainer(trainer_cls):
         _ptx_at = (-1, 0)  # (optimizer step, micro-steps taken in it)
@@ -106,7 +142,9 @@ def with_ptx(trainer_cls, rows, coef: float):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             step, k = self._ptx_at if self._ptx_at[0] == self.state.global_step else (self.state.global_step, 0)
             self._ptx_at = (step, k + 1)
-            ptx = rows.loss(model, step * self.args.gradient_accumulation_steps + k, loss.device)
+            x, a, y = rows.batch(step * self.args.gradient_accumulation_steps + k)
+            ptx = causal_lm_loss(model(input_ids=x.to(loss.device), attention_mask=a.to(loss.device)).logits,
+                                 y.to(loss.device))
             self._metrics["train"]["ptx_loss"].append(self.accelerator.gather(ptx.detach()).mean().item())
             return loss + coef * ptx
 
@@ -115,50 +153,22 @@ def with_ptx(trainer_cls, rows, coef: float):
 
 
 def verifier(prompts, completions, answer, **kwargs) -> list[float]:
-    """Rule-based reward for the demo items: 1 when the completion is exactly the known answer."""
-    return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
+    """The demo verifier (`gptforge.model.evaluate.verify`) as a TRL reward function."""
+    return verify([c[-1]["content"] for c in completions], answer)
 
 
-def run_online(cfg, inputs: dict[str, Path], out_dir: Path, stage: str, trainer_cls, config_cls) -> dict:
-    """GRPO or RLOO with TRL: sample num_generations completions per prompt, reward them with the trained
-    reward model (and optionally the demo verifier), update the policy against a group baseline."""
+def online_rewards(oc, reward_dir: Path, reward_tokenizer) -> dict:
+    """GRPOConfig/RLOOConfig and trainer arguments for the online section `oc`'s reward: the reward model's
+    score weighed by reward_model_weight, plus, with verifier_reward, the demo verifier weighed by verifier_weight."""
+    rewards = [(str(reward_dir), oc.reward_model_weight, reward_tokenizer)]
+    rewards += [(verifier, oc.verifier_weight, None)] if oc.verifier_reward else []
+    funcs, weights, tokenizers = map(list, zip(*rewards))
+    return {"reward_funcs": funcs, "reward_weights": weights, "reward_processing_classes": tokenizers}
+
+
+def answered_dataset(pairs: list[dict]):
+    """The preference pairs' prompts with their chosen response as `answer` (the verifier's known answer on the
+    demo data), as the online trainers' dataset."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
 
-    from data import loaders
-    from model import train as T
-    from model.evaluate import policy_and_judge, preference_metrics
-
-    pc, dist = cfg.preference, cfg.distributed
-    rank, world, _ = T.setup_distributed()
-    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
-    pairs = loaders.preference_pairs(cfg.data).train
-    # The demo's chosen responses are the verified answers.
-    train = Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])
-    # (reward function, its weight, its tokenizer): the reward model, and the demo verifier if asked for
-    rewards = [(str(reward_dir), pc.reward_model_weight, reward_tokenizer)]
-    rewards += [(verifier, pc.verifier_weight, None)] if pc.verifier_reward else []
-    reward_funcs, reward_weights, reward_tokenizers = map(list, zip(*rewards))
-    args = config_cls(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
-                      num_generations=pc.num_generations, max_completion_length=pc.max_new_tokens,
-                      temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
-                      reward_weights=reward_weights,
-                      **({"scale_rewards": pc.scale_rewards} if stage == "grpo" else {}))
-    if pc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
-        rows = ChosenRows(tokenizer, pairs, pc.max_length, pc.ptx_rows(world, args.gradient_accumulation_steps),
-                          rank, world, cfg.run.seed)
-        trainer_cls = with_ptx(trainer_cls, rows, pc.ptx_coef)
-    policy = positions_from_mask(AutoModelForCausalLM.from_pretrained(sft_dir))
-    trainer = trainer_cls(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=train,
-                          processing_class=tokenizer, reward_processing_classes=reward_tokenizers,
-                          callbacks=[JsonlMetrics(out_dir / "logs" / "metrics.jsonl")])
-    if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
-        positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
-    trainer.train(resume_from_checkpoint=resume_point(out_dir, stage, rank))
-    export(trainer, tokenizer, sft_dir, out_dir / "model")
-    T.barrier()
-    metrics = {"global_step": trainer.state.global_step}
-    if rank == 0:
-        metrics.update(preference_metrics(cfg, stage, out_dir / "model", sft_dir, reward_dir))
-    T.barrier()
-    return metrics
+    return Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])

@@ -1,11 +1,15 @@
-"""Losses as pure functions on tensors (tested against values worked out by hand)."""
+"""Losses as pure functions on tensors (tested against values worked out by hand).
+
+The PPO pieces (GAE, the clipped policy and value losses, whitening, the KL controller) are written here
+because TRL removed its PPO trainer and with it these helpers; DPO, GRPO and RLOO use TRL's own losses.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from gptforge.data.chat import IGNORE
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.build import build_model, count_params, flops_per_token
-from model.presets import Arch
+from gptforge.core.presets import Arch
+from gptforge.model.build import build_model, flops_per_token
 
 GiB = 1024 ** 3
 TOKENS_PER_PARAM = 20  # compute-optimal budget (Hoffmann et al. 2022)
@@ -54,7 +54,7 @@ class Plan:
 def make_plan(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, gpus: int, tokens: float | None = None,
               peak_tflops: float = 989.0, mfu: float = 0.4) -> Plan:
     with torch.device("meta"):
-        n = count_params(build_model(arch, vocab_size))
+        n = build_model(arch, vocab_size).num_parameters()
     fpt = flops_per_token(n, arch, seq_len)
     tokens = tokens or TOKENS_PER_PARAM * n
     memory = {(z, off): model_state_bytes(n, z, gpus, off) for z in range(4) for off in (False, True) if z or not off}

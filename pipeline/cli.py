@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from pipeline.config import load_config
-from pipeline.errors import UserError
+from gptforge.core.config import load_config
+from gptforge.core.errors import UserError
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -29,7 +28,7 @@ def cmd_run(args) -> int:
     overrides = args.set + ([f"run.name={args.name}"] if args.name else [])
     cfg = load_config(args.config, overrides)  # config errors end here, before anything starts
     _quiet_prefect_env()
-    from pipeline.flow import pipeline_flow, selected_stages
+    from gptforge.pipeline.flow import pipeline_flow, selected_stages
 
     selected_stages(cfg, args.from_stage, args.only)
     t0 = time.perf_counter()
@@ -41,7 +40,7 @@ def cmd_run(args) -> int:
 
 def serve(cfg, name: str) -> None:
     """Serve the pipeline deployment (parameters: this config; schedule: run.schedule) until interrupted."""
-    from pipeline.flow import pipeline_flow
+    from gptforge.pipeline.flow import pipeline_flow
 
     pipeline_flow.serve(name=name, parameters={"config": cfg.model_dump(mode="json")}, cron=cfg.run.schedule,
                         description="gptforge pipeline: tokenize -> pretrain -> sft -> reward -> preference")
@@ -93,18 +92,20 @@ def cmd_up(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    from pipeline.entry import execute
-    from pipeline.store import UPSTREAM, RunRecord, now
+    """One stage in this process (one rank of it under a launcher: rank 0 records it)."""
+    from gptforge.pipeline.store import UPSTREAM, RunRecord, execute, now
 
     cfg = load_config(args.config, args.set)
     if args.stage not in UPSTREAM:
         raise UserError(f"unknown stage {args.stage!r}; stages: {', '.join(UPSTREAM)}")
-    module = importlib.import_module(f"stages.{args.stage}")
-    record = RunRecord(cfg)
-    record.update(args.stage, started_at=now(), status="running")
-    manifest = execute(cfg, args.stage, module.run, module.OUTPUTS)
-    record.update(args.stage, status="complete", finished_at=now(), metrics=manifest["metrics"])
-    print(metrics_table({args.stage: manifest["metrics"]}))
+    rank0 = os.environ.get("RANK", "0") == "0"
+    record = RunRecord(cfg) if rank0 else None
+    if record:
+        record.update(args.stage, started_at=now(), status="running")
+    manifest = execute(cfg, args.stage)
+    if record:
+        record.update(args.stage, status="complete", finished_at=now(), metrics=manifest["metrics"])
+        print(metrics_table({args.stage: manifest["metrics"]}))
     return 0
 
 
@@ -155,7 +156,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from model.plan import make_plan, render
+    from gptforge.model.plan import make_plan, render
 
     cfg = load_config(args.config, args.set)
     arch = cfg.model.arch()

@@ -1,4 +1,5 @@
-"""Starting a stage as a child process group and streaming its output.
+"""Running a stage: reuse its complete output, or start its processes under the configured launcher as a
+child process group, stream their output, and record the output complete once they all exit cleanly.
 
 The child gets its own session (process group), so cancelling the pipeline kills the stage and every
 process its launcher started, not only the launcher itself.
@@ -6,6 +7,7 @@ process its launcher started, not only the launcher itself.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -13,20 +15,30 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
-from pipeline.config import PipelineConfig
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import UserError
+from gptforge.pipeline.store import (RunRecord, check_inputs, complete, locate, module_of, now, read_manifest,
+                                     read_result, stage_entry)
+from gptforge.stages.cli import stage_args
 
-SINGLE_PROCESS = {"tokenize"}
-# TRL trainers need accelerate's launcher to see the world size (see model/hf_trainer.py).
+# TRL trainers need accelerate's launcher to see the world size (see gptforge/model/hf_trainer.py).
 ACCELERATE_ONLY = {"dpo", "grpo", "rloo"}
 
 
-def stage_command(cfg: PipelineConfig, stage: str, config_path: Path) -> list[str]:
-    """The command line that runs a stage under the configured launcher."""
-    module, args = f"stages.{stage}", ["--config", str(config_path)]
-    if stage in SINGLE_PROCESS:
+def single_process(step: str) -> bool:
+    """Tokenizing (its own worker pool) and evaluation run as one process, without a launcher."""
+    return step == "tokenize" or step.startswith("eval-")
+
+
+def stage_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: Path,
+                  inputs: dict[str, Path]) -> list[str]:
+    """The command line that runs a stage into `out_dir` on `inputs` under the configured launcher."""
+    module, args = f"gptforge.stages.{module_of(stage)}", stage_args(config_path, out_dir, inputs)
+    if single_process(stage):
         return [sys.executable, "-m", module, *args]
     d = cfg.distributed
     launcher = "accelerate" if stage in ACCELERATE_ONLY else d.launcher
@@ -49,6 +61,51 @@ def stage_command(cfg: PipelineConfig, stage: str, config_path: Path) -> list[st
             cmd += ["--num_nodes", "1", "--num_gpus", str(d.nproc_per_node)]
         return [*cmd, "--module", module, *args]
     return [*cmd, "-m", module, *args]
+
+
+class StageFailed(UserError):
+    """A stage process exited non-zero; its output stays incomplete and is never consumed."""
+
+
+@contextmanager
+def stage_lock(out_dir: Path):
+    """Exclusive lock on a stage output, so two runs never write it at once (the second fails)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another run is writing {out_dir}; wait for it to finish") from None
+        yield
+
+
+def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRecord, log: Callable[[str], None],
+              on_progress: Callable[[float], None] | None = None) -> dict:
+    """Reuse or compute one stage (or evaluation step); return its manifest."""
+    out_dir, fingerprint, inputs = locate(cfg, stage)
+    started = time.perf_counter()
+    manifest = read_manifest(out_dir)
+    if manifest is not None:
+        log(f"{stage}: reused complete output {out_dir} (fingerprint {fingerprint[:16]})")
+        record.update(stage, output=str(out_dir), action="reused", status="complete", started_at=now(),
+                      finished_at=now(), seconds=round(time.perf_counter() - started, 2), metrics=manifest["metrics"])
+        return manifest
+    check_inputs(stage, inputs)
+    action = "resumed" if (out_dir / "checkpoints").is_dir() else "computed"
+    record.update(stage, output=str(out_dir), action=action, status="running", started_at=now())
+    log(f"{stage}: {'resuming' if action == 'resumed' else 'running'} -> {out_dir}")
+    with stage_lock(out_dir):
+        began = now()
+        cmd = stage_command(cfg, stage, config_path, out_dir, {up: d for up, (d, _) in inputs.items()})
+        rc = run_streaming(cmd, log, env=stage_env(), on_progress=on_progress)
+        result = read_result(out_dir)
+        if rc != 0 or result is None:
+            record.update(stage, status="failed", finished_at=now())
+            raise StageFailed(f"stage {stage} failed (exit code {rc}); its output {out_dir} is left incomplete")
+        manifest = complete(cfg, stage, out_dir, fingerprint, inputs, stage_entry(stage)[1], result, began)
+    record.update(stage, status="complete", finished_at=now(), metrics=manifest["metrics"],
+                  seconds=round(time.perf_counter() - started, 2))
+    return manifest
 
 
 def stage_env() -> dict[str, str]:

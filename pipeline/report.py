@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.store import write_json_atomic
+from gptforge.core.files import write_json_atomic
 
 # Which logged keys go on which plot.
 CURVES = {
     "loss": ("loss", "val_loss"),
-    "reward": ("reward_mean", "reward", "reward_accuracy", "rewards/margins"),
-    "kl": ("kl", "objective/kl"),
+    "reward": ("reward_mean", "reward_accuracy", "train_reward_margin"),
+    "kl": ("kl",),
 }
 
 

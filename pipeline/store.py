@@ -1,81 +1,111 @@
 """The stage store: content-addressed stage outputs, manifests written last and atomically, run records.
 
-A stage output lives in `<run.root>/store/<stage>/<fingerprint[:16]>/`. Its fingerprint hashes the
-config sections that define it, the fingerprints of its input stages and the fingerprint of its data,
-so a changed input changes every stage downstream of it and none upstream. An output is complete
-only when `manifest.json` exists, says `complete`, and every file it lists still has its sha256.
+A stage output lives in `<run.root>/store/<stage>/<fingerprint[:16]>/`. Its fingerprint hashes the config
+fields that can change what the stage computes (`gptforge.core.config.result_fields`: not how often it logs,
+evaluates or saves, not `compile`), the fingerprints of its input stages and the fingerprint of its data, so a
+changed input changes every stage downstream of it and none upstream. The sft stage and each preference stage
+are followed by an evaluation step (`eval-sft`, `eval-dpo`, ...) over the finished output, with a fingerprint
+of its own: changing the `eval` section reruns the evaluation, never the training. An output is complete only
+when `manifest.json` exists, says `complete`, and every file it lists still has its sha256.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import importlib
 import json
 import os
 from pathlib import Path
 
-from data.loaders import source_fingerprint
-from pipeline.config import PipelineConfig, pipeline_stages
+from gptforge.core.config import ALGORITHMS, PipelineConfig, pipeline_stages, result_fields
+from gptforge.core.errors import InputError
+from gptforge.core.files import sha256_file, write_json_atomic
+from gptforge.data.loaders import eval_fingerprint, source_fingerprint
+from gptforge.stages.cli import RESULT, run_stage
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
 # Bumped when a stage's code changes what it computes from the same config and inputs (1 if absent),
 # so that its stored outputs, and those downstream, are recomputed rather than reused.
-# tokenize 2: numbers pre-tokenized apart from the space before them; 3: the newline after an
-# assistant turn inside its generation span.
-CODE_VERSIONS = {"tokenize": 3}
-ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
+CODE_VERSIONS: dict[str, int] = {}
+EVALUATED = ("sft", *ALGORITHMS)  # the stages followed by an evaluation step
 UPSTREAM = {"tokenize": (), "pretrain": ("tokenize",), "sft": ("pretrain",), "reward": ("sft",),
-            **{a: ("sft", "reward") for a in ALGORITHMS}}
+            **{a: ("sft", "reward") for a in ALGORITHMS},
+            "eval-sft": ("sft", "pretrain"), **{f"eval-{a}": (a, "sft", "reward") for a in ALGORITHMS}}
 # The data source (a `data.<name>` field) each stage reads, if any.
 DATA_OF = {"tokenize": "pretrain", "sft": "sft", "reward": "preference", **{a: "preference" for a in ALGORITHMS}}
 MANIFEST = "manifest.json"
 
 
-def section_of(stage: str) -> str:
-    return "preference" if stage in ALGORITHMS else stage
+def eval_step(stage: str) -> str:
+    return f"eval-{stage}"
 
 
-def stage_config(cfg: PipelineConfig, stage: str) -> dict:
-    """The config that defines a stage's output (what its fingerprint hashes)."""
-    if stage == "tokenize":
-        return {"tokenizer": cfg.tokenizer.model_dump(mode="json")}
-    if stage == "pretrain":
-        return {"model": cfg.model.model_dump(mode="json"), "pretrain": cfg.pretrain.model_dump(mode="json"),
-                "seed": cfg.run.seed}
-    section = getattr(cfg, section_of(stage)).model_dump(mode="json")
-    if stage in ALGORITHMS:
-        section["algorithm"] = stage
-    return {section_of(stage): section, "eval": cfg.eval.model_dump(mode="json"), "seed": cfg.run.seed}
+def module_of(step: str) -> str:
+    """The stage module (gptforge.stages.<module>) that computes a step."""
+    return "evaluate" if step.startswith("eval-") else step
+
+
+def stage_entry(step: str):
+    """(run function, outputs) of a step's stage module."""
+    module = importlib.import_module(f"gptforge.stages.{module_of(step)}")
+    return module.run, module.OUTPUTS
+
+
+def pipeline_steps(cfg: PipelineConfig) -> list[str]:
+    """The pipeline's stages in order, each evaluated stage followed by its evaluation step."""
+    return [s for stage in pipeline_stages(cfg) for s in ([stage, eval_step(stage)] if stage in EVALUATED else [stage])]
+
+
+def stage_config(cfg: PipelineConfig, step: str) -> dict:
+    """The config that defines a step's output (what its fingerprint hashes)."""
+    if step == "tokenize":
+        return {"tokenizer": result_fields(cfg.tokenizer)}
+    if step.startswith("eval-"):
+        return {"eval": result_fields(cfg.eval), "seed": cfg.run.seed}
+    if step == "pretrain":
+        return {"model": result_fields(cfg.model), "pretrain": result_fields(cfg.pretrain), "seed": cfg.run.seed}
+    if step in ALGORITHMS:  # the fields every algorithm shares, and this one's own
+        return {"preference": result_fields(cfg.preference, leave_out=ALGORITHMS),
+                step: result_fields(getattr(cfg.preference, step)), "seed": cfg.run.seed}
+    return {step: result_fields(getattr(cfg, step)), "seed": cfg.run.seed}
 
 
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def fingerprints(cfg: PipelineConfig, stages: list[str] | None = None) -> dict[str, str]:
-    """Fingerprint of every stage of the pipeline, in order (upstream ones first)."""
+def lineage(step: str) -> list[str]:
+    """The step and everything upstream of it, upstream first."""
+    order: list[str] = []
+    for up in UPSTREAM[step]:
+        order += [s for s in lineage(up) if s not in order]
+    return order + [step]
+
+
+def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[str, str]:
+    """Fingerprint of each step (default: the pipeline's), its inputs' computed first."""
     out: dict[str, str] = {}
-    for stage in stages or pipeline_stages(cfg):
-        data = DATA_OF.get(stage)
-        out[stage] = _hash({
-            "stage": stage, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(stage, 1),
-            "config": stage_config(cfg, stage),
-            "inputs": {up: out[up] for up in UPSTREAM[stage]},
-            "data": source_fingerprint(cfg.data, data) if data else None,
-        })
-    return out
+    for step in steps or pipeline_steps(cfg):
+        for s in lineage(step):
+            if s not in out:
+                data = eval_fingerprint(cfg.data) if s.startswith("eval-") else (
+                    source_fingerprint(cfg.data, DATA_OF[s]) if s in DATA_OF else None)
+                out[s] = _hash({"stage": s, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(s, 1),
+                                "config": stage_config(cfg, s), "inputs": {up: out[up] for up in UPSTREAM[s]},
+                                "data": data})
+    return {s: out[s] for s in steps} if steps else out
 
 
-def stage_dir(cfg: PipelineConfig, stage: str, fingerprint: str) -> Path:
-    return Path(cfg.run.root) / "store" / stage / fingerprint[:16]
+def stage_dir(cfg: PipelineConfig, step: str, fingerprint: str) -> Path:
+    return Path(cfg.run.root) / "store" / step / fingerprint[:16]
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def locate(cfg: PipelineConfig, step: str) -> tuple[Path, str, dict[str, tuple[Path, str]]]:
+    """(output dir, fingerprint, {input step: (dir, fingerprint)}) of a step under this config."""
+    fps = fingerprints(cfg, lineage(step))
+    inputs = {up: (stage_dir(cfg, up, fps[up]), fps[up]) for up in UPSTREAM[step]}
+    return stage_dir(cfg, step, fps[step]), fps[step], inputs
 
 
 def hash_outputs(out_dir: Path, outputs: dict[str, str]) -> dict[str, str]:
@@ -106,20 +136,56 @@ def read_manifest(out_dir: Path, verify: bool = True) -> dict | None:
     return manifest
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write to a temp name, fsync, rename: readers see the old file or the whole new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+def read_result(out_dir: Path) -> dict | None:
+    """What a stage that finished wrote last (gptforge.stages.cli), or None."""
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        return json.loads((out_dir / RESULT).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def check_inputs(step: str, inputs: dict[str, tuple[Path, str]]) -> None:
+    for up, (up_dir, _) in inputs.items():
+        if read_manifest(up_dir) is None:
+            raise InputError(f"stage {step} needs a complete {up} output at {up_dir}; "
+                             f"run `gptforge run --only {up}` (or the whole pipeline) first")
+
+
+def complete(cfg: PipelineConfig, step: str, out_dir: Path, fingerprint: str, inputs: dict[str, tuple[Path, str]],
+             outputs: dict[str, str], result: dict, started: str) -> dict:
+    """Record a finished step's output as complete: its manifest, written last and atomically."""
+    manifest = {
+        "stage": step, "fingerprint": fingerprint, "status": "complete", "config": cfg.model_dump(mode="json"),
+        "inputs": {up: {"path": str(d), "fingerprint": fp} for up, (d, fp) in inputs.items()},
+        "outputs": outputs, "metrics": result["metrics"], "files": hash_outputs(out_dir, outputs),
+        "started_at": started, "finished_at": now(), "world_size": result["world_size"], "versions": versions(),
+    }
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    return manifest
+
+
+def execute(cfg: PipelineConfig, step: str, run=None, outputs: dict[str, str] | None = None) -> dict:
+    """Reuse a step's complete output, or run the step in this process (one rank of it under a launcher)
+    and record it complete (rank 0); return its manifest. `run` and `outputs` default to the stage module's."""
+    if run is None:
+        run, outputs = stage_entry(step)
+    out_dir, fingerprint, inputs = locate(cfg, step)
+    manifest = read_manifest(out_dir)
+    if manifest is not None:
+        print(f"[{step}] reusing complete output {out_dir}", flush=True)
+        return manifest
+    check_inputs(step, inputs)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / MANIFEST).unlink(missing_ok=True)  # a stale or corrupted output is recomputed
+    started = now()
+    result = run_stage(run, cfg, {up: d for up, (d, _) in inputs.items()}, out_dir)
+    if rank != 0:
+        return {"stage": step, "status": "complete", **result}
+    manifest = complete(cfg, step, out_dir, fingerprint, inputs, outputs, result, started)
+    print(f"[{step}] complete: {out_dir}", flush=True)
+    return manifest
 
 
 def now() -> str:

@@ -1,9 +1,12 @@
 """DPO stage: Direct Preference Optimization of the SFT policy with TRL's DPOTrainer, the frozen SFT
 model as reference, under DeepSpeed ZeRO (accelerate launch).
 
-    accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m stages.dpo --config configs/tiny.yaml
+    gptforge stage dpo -c configs/tiny.yaml      (finds its inputs and output in the stage store)
+    accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.dpo \\
+        --config CONFIG --out DIR --input sft=DIR --input reward=DIR
 
-`preference.loss_type` selects any loss TRL implements (sigmoid, ipo, hinge, robust, ...).
+`preference.dpo.loss_type` selects any loss TRL implements (sigmoid, ipo, hinge, robust, ...) or a list of
+them ([sigmoid, sft] is RPO). The held-out report is the evaluation step's (gptforge.stages.evaluate).
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from data import loaders
-from model import hf_trainer as H
-from model import train as T
-from model.evaluate import policy_and_judge, preference_metrics
-from pipeline.config import PipelineConfig
-from pipeline.entry import stage_main
-from pipeline.errors import DataError
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import DataError
+from gptforge.data import loaders
+from gptforge.model.distributed import barrier, setup_distributed
+from gptforge.model.evaluate import policy_and_judge
+from gptforge.model.export import export_trainer
+from gptforge.model.hf_trainer import NoFinalCheckpoint, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
 
@@ -36,27 +40,23 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     pc, dist = cfg.preference, cfg.distributed
-    rank, world, _ = T.setup_distributed()
-    sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
-    data = loaders.preference_pairs(cfg.data)
-    train = as_dataset(data.train)
+    rank, world, _ = setup_distributed()
+    sft_dir, _, tokenizer, _ = policy_and_judge(inputs)
+    train = as_dataset(loaders.preference_pairs(cfg.data).train)
     if len(train) < pc.micro_batch_size * world:
         raise DataError(f"too few usable preference pairs for DPO: {len(train)}")
 
-    args = DPOConfig(**H.trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
-                     loss_type=[pc.loss_type] if isinstance(pc.loss_type, str) else pc.loss_type, max_length=pc.max_length)
+    loss_type = pc.dpo.loss_type
+    args = DPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
+                     loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
+    metrics = TrainerMetrics(out_dir / "logs")
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(sft_dir), ref_model=None, args=args,
-                         train_dataset=train, processing_class=tokenizer,
-                         callbacks=[H.JsonlMetrics(out_dir / "logs" / "metrics.jsonl")])
-    trainer.train(resume_from_checkpoint=H.resume_point(out_dir, "dpo", rank))
-    H.export(trainer, tokenizer, sft_dir, out_dir / "model")
-    T.barrier()
-    metrics = {"global_step": trainer.state.global_step}
-    if rank == 0:
-        metrics.update(preference_metrics(cfg, "dpo", out_dir / "model", sft_dir, reward_dir))
-    T.barrier()
-    return metrics
+                         train_dataset=train, processing_class=tokenizer, callbacks=[metrics, NoFinalCheckpoint()])
+    trainer.train(resume_from_checkpoint=resume_point(out_dir, "dpo", rank))
+    export_trainer(trainer, tokenizer, out_dir / "model")
+    barrier()
+    return {"global_step": trainer.state.global_step, **metrics.final()}
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("dpo", run, OUTPUTS))
+    sys.exit(main("dpo", run))

@@ -2,13 +2,15 @@
 PPO trainer. Actor initialised from SFT, critic from the reward model (its scalar head on every token),
 frozen reference (SFT) and reward models; actor and critic are DeepSpeed engines (ZeRO 0-3).
 
-    deepspeed --num_gpus 2 -m stages.ppo --config configs/tiny.yaml --set preference.algorithm=ppo
+    gptforge stage ppo -c configs/tiny.yaml --set preference.algorithm=ppo
+    deepspeed --num_gpus 2 -m gptforge.stages.ppo --config CONFIG --out DIR --input sft=DIR --input reward=DIR
 
 Each step: sample responses with the KV cache; score them with the reward model (plus, with
-preference.verifier_reward, verifier_weight when the response is the demo item's answer); per-token reward is
+preference.ppo.verifier_reward, verifier_weight when the response is the demo item's answer); per-token reward is
 the score at the last token minus kl_coef * (log pi - log pi_ref) at every token (fixed or adaptive
 kl_coef); GAE advantages (whitened) and returns; then ppo_epochs passes of the clipped policy and value
-losses over minibatches. The losses, GAE and the KL estimate are in model/losses.py.
+losses over minibatches. The losses, GAE and the KL estimate are in gptforge.model.losses; log-probabilities and
+entropies are TRL's helpers. The held-out report is the evaluation step's (gptforge.stages.evaluate).
 """
 
 from __future__ import annotations
@@ -19,30 +21,36 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-from data import loaders
-from data.chat import ChosenRows, left_pad, positions, prompt_ids
-from data.loader import DistributedOrder
-from model import train as T
-from model.evaluate import policy_and_judge, preference_metrics, reward_scores, stop_ids
-from model.losses import (AdaptiveKLController, gae, kl_per_token, masked_mean, ppo_policy_loss, ppo_value_loss,
-                          token_rewards, whiten)
-from pipeline.config import PipelineConfig
-from pipeline.entry import stage_main
-from pipeline.errors import DataError, UserError
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import DataError, UserError
+from gptforge.data import loaders
+from gptforge.data.chat import ChosenRows, left_pad, positions, prompt_ids
+from gptforge.data.loader import DistributedOrder
+from gptforge.model.checkpoints import resume, save_step
+from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
+from gptforge.model.engine import grad_norm, init_engine
+from gptforge.model.evaluate import policy_and_judge, reward_scores, stop_ids, verify
+from gptforge.model.export import export_hf, full_state_dict
+from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
+                                   ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
+from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
 
 
 @torch.no_grad()
-def rollout(actor, tokenizer, prompts, pc, device, synced: bool):
-    """Sample one response per prompt. Returns sequences (B, P+R), attention (B, P+R), the response mask
-    (B, R: 1 up to and including the first stop token) and the prompt length P."""
+def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
+    """Sample one response per prompt (the sampling settings of the online section `oc`). Returns sequences
+    (B, P+R), attention (B, P+R), the response mask (B, R: 1 up to and including the first stop token) and the
+    prompt length P."""
     ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
     stops = stop_ids(actor)
     out = actor.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=True,
-                         temperature=pc.temperature, top_k=pc.top_k, top_p=pc.top_p,
-                         max_new_tokens=pc.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
+                         max_new_tokens=oc.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=list(stops), use_cache=True, synced_gpus=synced)
     P = ids.shape[1]
     response = out[:, P:]
@@ -55,11 +63,8 @@ def rollout(actor, tokenizer, prompts, pc, device, synced: bool):
 def policy_logprobs(model, seqs, attention, P: int):
     """log pi of each response token and the policy entropy there, (B, R) each."""
     logits = model(input_ids=seqs, attention_mask=attention, position_ids=positions(attention)).logits
-    logits = logits[:, P - 1:-1].float()  # the logits that predicted each response token
-    logp_all = torch.log_softmax(logits, -1)
-    logp = logp_all.gather(-1, seqs[:, P:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    logits = logits[:, P - 1:-1].float()  # (B, R, V): the logits that predicted each response token
+    return selective_log_softmax(logits, seqs[:, P:]), entropy_from_logits(logits)
 
 
 def critic_values(critic, seqs, attention, P: int):
@@ -95,8 +100,8 @@ def all_finite(device, *tensors) -> bool:
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    pc, dist = cfg.preference, cfg.distributed
-    rank, world, device = T.setup_distributed()
+    pc, oc, dist = cfg.preference, cfg.preference.ppo, cfg.distributed
+    rank, world, device = setup_distributed()
     sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
     pairs = loaders.preference_pairs(cfg.data).train
     prompts, answers = map(list, zip(*loaders.answered_prompts(pairs)))
@@ -104,68 +109,69 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     minibatches = per_rank // pc.micro_batch_size
     if len(prompts) < per_rank * world:
         raise DataError(f"too few prompts for PPO: {len(prompts)}")
-    ptx_rows = (ChosenRows(tokenizer, pairs, pc.max_length, pc.ptx_rows(world, 1), rank, world, cfg.run.seed)
-                if pc.ptx_coef else None)  # an update: one minibatch
+    ptx_rows = (ChosenRows(tokenizer, pairs, pc.max_length, oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world,
+                           cfg.run.seed) if oc.ptx_coef else None)  # an update: one minibatch
     stat_names = ["policy_loss", "value_loss", "clip_frac", "entropy"] + (["ptx_loss"] if ptx_rows is not None else [])
 
     torch.manual_seed(cfg.run.seed)
     actor = AutoModelForCausalLM.from_pretrained(sft_dir)
-    critic = build_critic(reward_dir, pc.reward_model_weight)
+    critic = build_critic(reward_dir, oc.reward_model_weight)
     ref = AutoModelForCausalLM.from_pretrained(sft_dir).to(device).eval().requires_grad_(False)
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir).to(device).eval()
     # The engines step once per minibatch: the schedule counts optimizer steps, not PPO steps.
-    updates = pc.ppo_epochs * minibatches
+    updates = oc.ppo_epochs * minibatches
     section = pc.model_copy(update={"global_batch_size": pc.micro_batch_size * world,
                                     "max_steps": pc.max_steps * updates, "warmup_steps": pc.warmup_steps * updates})
-    actor_engine, actor_sched, _ = T.init_engine(actor, section, dist, world, device)
-    critic_engine, _, _ = T.init_engine(critic, section.model_copy(update={"lr": pc.critic_lr}), dist, world, device)
+    actor_engine, actor_sched, _ = init_engine(actor, section, dist, world, device)
+    critic_engine, _, _ = init_engine(critic, section.model_copy(update={"lr": oc.critic_lr}), dist, world, device)
     engines = {"actor": actor_engine, "critic": critic_engine}
     order = DistributedOrder(len(prompts), per_rank, rank, world, seed=cfg.run.seed)
-    kl_ctl = AdaptiveKLController(pc.beta, pc.kl_target, pc.kl_horizon)
+    kl_ctl = AdaptiveKLController(pc.beta, oc.kl_target, oc.kl_horizon)
     step = bad_steps = 0
-    state = T.resume(engines, out_dir / "checkpoints", rank, "ppo")
+    state = resume(engines, out_dir / "checkpoints", rank, "ppo")
     if state:
         step, bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
         order.load_state_dict(state["loader"])
-    log = T.MetricsLog(out_dir / "logs", rank, resume_step=step)
+    log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
+    throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
     while step < pc.max_steps:
         step += 1
         ids = order.next_ids()
         batch = [prompts[i] for i in ids]
         t0 = time.perf_counter()
-        seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, pc, device, dist.zero_stage == 3)
+        seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, oc, device, dist.zero_stage == 3)
         gen_seconds = time.perf_counter() - t0
         with torch.no_grad():
             old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P)
             ref_logp, _ = policy_logprobs(ref, seqs, attention, P)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
-            score = pc.reward_model_weight * torch.tensor(reward_scores(reward_model, tokenizer, batch, texts),
-                                                          device=device)
-            if pc.verifier_reward:
-                score += pc.verifier_weight * torch.tensor([float(t == answers[i]) for t, i in zip(texts, ids)],
-                                                           device=device)
+            rm_score = torch.tensor(reward_scores(reward_model, tokenizer, batch, texts), device=device)
+            verified = torch.tensor(verify(texts, [answers[i] for i in ids]), device=device)
+            score = oc.reward_model_weight * rm_score + (oc.verifier_weight * verified if oc.verifier_reward else 0)
             rewards = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
-            advantages, returns = gae(rewards, old_values, mask.float(), pc.gamma, pc.lam)
+            advantages, returns = gae(rewards, old_values, mask.float(), oc.gamma, oc.lam)
             advantages = whiten(advantages, mask.float())
         stats = dict.fromkeys(stat_names, 0.0)
         finite = all_finite(device, score, advantages)
-        for epoch in range(pc.ppo_epochs if finite else 0):
+        for epoch in range(oc.ppo_epochs if finite else 0):
             for k, mb in enumerate(torch.arange(per_rank).split(pc.micro_batch_size)):
                 m = mask[mb].float()
                 logp, entropy = policy_logprobs(actor_engine, seqs[mb], attention[mb], P)
-                pg_loss, clip_frac = ppo_policy_loss(logp, old_logp[mb], advantages[mb], m, pc.cliprange)
+                pg_loss, clip_frac = ppo_policy_loss(logp, old_logp[mb], advantages[mb], m, oc.cliprange)
                 values = critic_values(critic_engine, seqs[mb], attention[mb], P)
-                v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, pc.cliprange_value)
+                v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, oc.cliprange_value)
                 ptx_loss = torch.zeros((), device=device)
                 if ptx_rows is not None:  # PPO-ptx: the update's own rows of the chosen responses
-                    ptx_loss = ptx_rows.loss(actor_engine, (step - 1) * updates + epoch * minibatches + k, device)
+                    x, a, y = ptx_rows.batch((step - 1) * updates + epoch * minibatches + k)
+                    ptx_loss = causal_lm_loss(actor_engine(input_ids=x.to(device), attention_mask=a.to(device)).logits,
+                                              y.to(device))
                 if not all_finite(device, pg_loss, v_loss, ptx_loss):
                     finite = False
                     break
-                actor_engine.backward(pg_loss + pc.ptx_coef * ptx_loss)
+                actor_engine.backward(pg_loss + oc.ptx_coef * ptx_loss)
                 actor_engine.step()
                 critic_engine.backward(v_loss)
                 critic_engine.step()
@@ -173,39 +179,43 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     stats[name] += v.item() / updates
             if not finite:
                 break
+        throughput.step(time.perf_counter() - t0, int(attention.sum()))
         if not finite:
             bad_steps += 1
             if rank == 0:
                 print(f"warning: [ppo] step {step}: NaN/Inf in reward or loss, step skipped ({bad_steps} so far)",
                       file=sys.stderr, flush=True)
-            if bad_steps > pc.max_bad_steps:
-                raise UserError(f"ppo: {bad_steps} steps with NaN/Inf rewards or losses (preference.max_bad_steps="
-                                f"{pc.max_bad_steps}); stopped, the last good checkpoint is kept in {out_dir / 'checkpoints'}")
-        kl = masked_mean(kl_per_token(old_logp, ref_logp), mask.float()).item() * mask.sum(1).float().mean().item()
-        kl = T.all_mean(kl, device)
+            if bad_steps > oc.max_bad_steps:
+                raise UserError(f"ppo: {bad_steps} steps with NaN/Inf rewards or losses (preference.ppo.max_bad_steps="
+                                f"{oc.max_bad_steps}); stopped, the last good checkpoint is kept in "
+                                f"{out_dir / 'checkpoints'}")
+        kl_token = masked_mean(kl_per_token(old_logp, ref_logp), mask.float()).item()
+        kl = all_mean(kl_token * mask.sum(1).float().mean().item(), device)  # nats per response
         kl_ctl.update(kl, per_rank * world)
         bar.update(1)
         if step % pc.log_every == 0 or step == pc.max_steps:
-            reward_mean = T.all_mean(score.mean().item(), device)
-            log.log(step, reward_mean=reward_mean, reward_std=T.all_mean(score.std().item(), device), kl=kl,
-                    kl_coef=kl_ctl.value, response_length=T.all_mean(mask.sum(1).float().mean().item(), device),
-                    gen_tokens_per_sec=T.all_mean(mask.sum().item() / gen_seconds, device) * world,
-                    lr=actor_sched.get_last_lr()[0], bad_steps=bad_steps,
-                    **{k: T.all_mean(v, device) for k, v in stats.items()})
+            log.log(step, reward_mean=all_mean(score.mean().item(), device),
+                    reward_std=all_mean(score.std().item(), device), kl=kl, kl_per_token=all_mean(kl_token, device),
+                    kl_coef=kl_ctl.value, reward_model_score=all_mean(rm_score.mean().item(), device),
+                    verifier_reward=all_mean(verified.mean().item(), device),
+                    response_length=all_mean(mask.sum(1).float().mean().item(), device),
+                    gen_tokens_per_sec=all_mean(mask.sum().item() / gen_seconds, device) * world,
+                    tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],
+                    grad_norm=grad_norm(actor_engine), bad_steps=bad_steps,
+                    **{k: all_mean(v, device) for k, v in stats.items()})
         if step % pc.save_every == 0 and step < pc.max_steps:
-            T.save_step(engines, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
-                        "kl_coef": kl_ctl.value, "bad_steps": bad_steps}, rank, pc.keep_last)
+            save_step(engines, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
+                      "kl_coef": kl_ctl.value, "bad_steps": bad_steps}, rank, pc.keep_last)
     bar.close()
     log.close()
 
-    state_dict = T.full_state_dict(actor_engine.module, dist.zero_stage, rank)
-    metrics = {"global_step": step, "bad_steps": bad_steps, "kl_coef": kl_ctl.value}
+    tokens_per_sec = throughput.rate()
+    state_dict = full_state_dict(actor_engine.module, dist.zero_stage, rank)
     if rank == 0:
-        T.export_hf(actor_engine.module, state_dict, tokenizer, out_dir / "model", list(stop_ids(ref)))
-        metrics.update(preference_metrics(cfg, "ppo", out_dir / "model", sft_dir, reward_dir))
-    T.barrier()
-    return metrics
+        export_hf(actor_engine.module, state_dict, tokenizer, out_dir / "model")
+    barrier()
+    return {"global_step": step, "bad_steps": bad_steps, "kl_coef": kl_ctl.value, "tokens_per_sec": tokens_per_sec}
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("ppo", run, OUTPUTS))
+    sys.exit(main("ppo", run))

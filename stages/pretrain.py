@@ -1,6 +1,7 @@
 """Pretrain stage: a GPT trained from scratch on the token shards under DeepSpeed ZeRO.
 
-    deepspeed --num_gpus 2 -m stages.pretrain --config configs/tiny.yaml     (or torchrun, accelerate)
+    gptforge stage pretrain -c configs/tiny.yaml      (finds its input and output in the stage store)
+    deepspeed --num_gpus 2 -m gptforge.stages.pretrain --config CONFIG --out DIR --input tokenize=DIR
 
 Resumes from its newest valid step checkpoint; exports a Hugging Face model directory `model/`.
 """
@@ -14,17 +15,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from data.loader import TokenWindows, eval_batches
-from data.shards import load_split, read_index, unigram_entropy
-from model import train as T
-from model.build import build_model, count_params, flops_per_token, peak_flops
-from model.losses import causal_lm_loss
-from pipeline.config import PipelineConfig
-from pipeline.entry import stage_main
-from pipeline.errors import DataError
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import DataError
+from gptforge.data.loader import TokenWindows, eval_batches
+from gptforge.data.shards import load_split, read_index, unigram_entropy
+from gptforge.model.build import build_model, flops_per_token, peak_flops
+from gptforge.model.checkpoints import resume, save_step
+from gptforge.model.distributed import all_mean, barrier, setup_distributed
+from gptforge.model.engine import grad_norm, init_engine, startup_oom
+from gptforge.model.export import export_hf, full_state_dict
+from gptforge.model.losses import causal_lm_loss
+from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
-WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (bench/pretrain.py leaves out as many)
 
 
 def load_data(tok_dir: Path, shard_dir: Path):
@@ -46,12 +50,12 @@ def evaluate(engine, val, pc, rank, world, device) -> float:
     losses = [causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device)).item()
               for x, y in eval_batches(val, pc.seq_len, pc.micro_batch_size, pc.eval_batches, rank, world)]
     engine.train()
-    return T.all_mean(sum(losses) / len(losses), device)
+    return all_mean(sum(losses) / len(losses), device)
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     pc, dist = cfg.pretrain, cfg.distributed
-    rank, world, device = T.setup_distributed()
+    rank, world, device = setup_distributed()
     tokenizer, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer", inputs["tokenize"] / "shards")
     arch = cfg.model.arch()
     torch.manual_seed(cfg.run.seed)
@@ -60,19 +64,19 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         "pad_token_id": tokenizer.pad_token_id})
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    n_params = count_params(model)
-    engine, scheduler, grad_accum = T.init_engine(model, pc, dist, world, device)
+    n_params = model.num_parameters()
+    engine, scheduler, grad_accum = init_engine(model, pc, dist, world, device)
     if pc.compile:
         engine.compile()  # compiles in place: parameter names and checkpoints are unchanged
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
     ckpt_root = out_dir / "checkpoints"
-    state = T.resume({"model": engine}, ckpt_root, rank, "pretrain")
+    state = resume({"model": engine}, ckpt_root, rank, "pretrain")
     step = state["step"] if state else 0
     if state:
         loader.load_state_dict(state["loader"])
-    log = T.MetricsLog(out_dir / "logs", rank, resume_step=step)
+    log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
-    tokens_per_step = pc.global_batch_size * pc.seq_len
+    tokens_per_step = pc.global_batch_size * pc.seq_len  # over all processes
     flops_tok, peak = flops_per_token(n_params, arch, pc.seq_len), peak_flops(device)
     if rank == 0:
         print(f"[pretrain] {n_params / 1e6:.2f}M parameters, world {world}, ZeRO-{dist.zero_stage}, "
@@ -81,11 +85,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     bar = tqdm(total=pc.max_steps, initial=step, desc="pretrain", file=sys.stderr, disable=rank != 0,
                mininterval=2.0)
     train_loss = val_loss = float("nan")
-    window_seconds = train_seconds = 0.0  # time in training steps only (not eval, not checkpoints)
-    steps_timed = 0  # tokens_per_sec leaves out the first WARMUP_STEPS steps of each start (compilation, allocation)
+    throughput = Throughput()  # counts are global already
 
-    def mfu_of(tps: float) -> float | None:  # model FLOPs utilisation over all ranks
-        return flops_tok * tps / (peak * world) if peak else None
+    def mfu_of(tps: float | None) -> float | None:  # model FLOPs utilisation over all ranks
+        return flops_tok * tps / (peak * world) if peak and tps else None
 
     first_step = step
     while step < pc.max_steps:
@@ -93,51 +96,44 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         step_loss = 0.0
         for _ in range(grad_accum):
             x, y = loader.next()  # (B, T), (B, T)
-            with T.startup_oom(dist, pc, active=step == first_step):
+            with startup_oom(dist, pc, active=step == first_step):
                 loss = causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device))
                 engine.backward(loss)
                 engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
             step_loss += loss.item() / grad_accum
         step += 1
-        dt = time.perf_counter() - t0
-        window_seconds += dt
-        if step - first_step > WARMUP_STEPS or step == pc.max_steps and not steps_timed:
-            steps_timed += 1  # (a start with fewer steps than that times its last one)
-            train_seconds += dt
+        throughput.step(time.perf_counter() - t0, tokens_per_step)
         bar.update(1)
         if step % pc.log_every == 0 or step == pc.max_steps:
-            train_loss = T.all_mean(step_loss, device)
-            tps = (step % pc.log_every or pc.log_every) * tokens_per_step / window_seconds
-            grad_norm = engine.get_global_grad_norm()
-            log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0],
-                    grad_norm=float(grad_norm) if grad_norm is not None else None,
+            train_loss = all_mean(step_loss, device)
+            tps = throughput.window_rate()
+            log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
                     tokens_per_sec=tps, mfu=mfu_of(tps))
             if rank == 0:
                 mfu = mfu_of(tps)
                 tqdm.write(f"step {step:6d} | loss {train_loss:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                           f"{tps:,.0f} tok/s | mfu {'n/a' if mfu is None else f'{mfu:.1%}'}", file=sys.stderr)
-            window_seconds = 0.0
+                           f"{'n/a' if tps is None else f'{tps:,.0f}'} tok/s | "
+                           f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}", file=sys.stderr)
         if step % pc.eval_every == 0 or step == pc.max_steps:
             val_loss = evaluate(engine, val_tokens, pc, rank, world, device)
             log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
         if step % pc.save_every == 0 and step < pc.max_steps:
-            T.save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, pc.keep_last)
+            save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank,
+                      pc.keep_last)
     bar.close()
     log.close()
 
-    tokens_per_sec = steps_timed * tokens_per_step / train_seconds if steps_timed else None
-    state_dict = T.full_state_dict(engine.module, dist.zero_stage, rank)
+    tokens_per_sec = throughput.rate()
+    state_dict = full_state_dict(engine.module, dist.zero_stage, rank)
     if rank == 0:
-        stop = [tokenizer.convert_tokens_to_ids(cfg.tokenizer.special_tokens[2]), tokenizer.eos_token_id]
-        T.export_hf(engine.module, state_dict, tokenizer, out_dir / "model", stop)
-    T.barrier()
+        export_hf(engine.module, state_dict, tokenizer, out_dir / "model")
+    barrier()
     return {"train_loss": round(train_loss, 6), "val_loss": round(val_loss, 6),
             "val_ppl": round(float(torch.tensor(val_loss).exp()), 4),
-            "unigram_entropy": round(unigram_entropy(train_tokens), 6),
-            "tokens_per_sec": round(tokens_per_sec, 1) if tokens_per_sec else None,
-            "mfu": round(mfu_of(tokens_per_sec), 4) if tokens_per_sec and peak else None, "global_step": step, "parameters": n_params,
-            "flops_per_token": flops_tok}
+            "unigram_entropy": round(unigram_entropy(train_tokens), 6), "tokens_per_sec": tokens_per_sec,
+            "mfu": round(mfu_of(tokens_per_sec), 4) if mfu_of(tokens_per_sec) else None, "global_step": step,
+            "parameters": n_params, "flops_per_token": flops_tok}
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("pretrain", run, OUTPUTS))
+    sys.exit(main("pretrain", run))

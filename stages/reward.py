@@ -1,7 +1,8 @@
 """Reward stage: a scalar reward model initialised from the SFT model, trained on preference pairs
 with the pairwise Bradley-Terry loss (optional margin and reward centering), under DeepSpeed ZeRO.
 
-    deepspeed --num_gpus 2 -m stages.reward --config configs/tiny.yaml
+    gptforge stage reward -c configs/tiny.yaml      (finds its input and output in the stage store)
+    deepspeed --num_gpus 2 -m gptforge.stages.reward --config CONFIG --out DIR --input sft=DIR
 
 Our own loop rather than TRL's RewardTrainer, for the same reason as SFT: one exact-resume mechanism
 across stages. Exported as a Hugging Face sequence-classification directory (one label).
@@ -11,20 +12,25 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from data import loaders
-from data.chat import collate, encode_pairs
-from data.loader import DistributedOrder
-from model import train as T
-from model.evaluate import generate
-from model.losses import pairwise_reward_loss
-from pipeline.config import PipelineConfig
-from pipeline.entry import stage_main
-from pipeline.errors import DataError
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import DataError
+from gptforge.data import loaders
+from gptforge.data.chat import collate, encode_pairs
+from gptforge.data.loader import DistributedOrder
+from gptforge.model.checkpoints import resume, save_step
+from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
+from gptforge.model.engine import grad_norm, init_engine
+from gptforge.model.evaluate import generate
+from gptforge.model.export import export_hf, full_state_dict
+from gptforge.model.losses import pairwise_reward_loss
+from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
 
@@ -72,7 +78,7 @@ def evaluate(engine, pairs, micro_batch: int, pad_id: int, rank: int, world: int
         correct += (c > r).sum().item()
         margin += (c - r).sum().item()
     engine.train()
-    correct, margin, n = T.all_sum([correct, margin, len(mine)], device)
+    correct, margin, n = all_sum([correct, margin, len(mine)], device)
     return correct / n, margin / n
 
 
@@ -80,7 +86,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     rc, dist = cfg.reward, cfg.distributed
-    rank, world, device = T.setup_distributed()
+    rank, world, device = setup_distributed()
     sft_dir = inputs["sft"] / "model"
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     data = loaders.preference_pairs(cfg.data)
@@ -89,7 +95,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     sampled, added = 0, []
     if rc.policy_samples:
         extra, sampled = policy_pairs(sft_dir, tokenizer, data.train, rc.policy_samples, rc.sample_temperature,
-                                      cfg.eval.max_new_tokens, cfg.run.seed, rank, world, device)
+                                      rc.sample_max_new_tokens, cfg.run.seed, rank, world, device)
         added = encode_pairs(tokenizer, extra, rc.max_length, "skip").examples
         train.examples += added
         if rank == 0:
@@ -107,47 +113,53 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    engine, scheduler, grad_accum = T.init_engine(model, rc, dist, world, device)
+    engine, scheduler, grad_accum = init_engine(model, rc, dist, world, device)
     order = DistributedOrder(len(train.examples), rc.micro_batch_size, rank, world, seed=cfg.run.seed)
-    state = T.resume({"model": engine}, out_dir / "checkpoints", rank, "reward")
+    state = resume({"model": engine}, out_dir / "checkpoints", rank, "reward")
     step = state["step"] if state else 0
     if state:
         order.load_state_dict(state["loader"])
-    log = T.MetricsLog(out_dir / "logs", rank, resume_step=step)
+    log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     bar = tqdm(total=rc.max_steps, initial=step, desc="reward", file=sys.stderr, disable=rank != 0, mininterval=2.0)
     train_loss = accuracy = margin = float("nan")
+    throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
     while step < rc.max_steps:
-        step_loss = step_acc = 0.0
+        t0, step_loss, step_acc, step_tokens = time.perf_counter(), 0.0, 0.0, 0
         for _ in range(grad_accum):
-            chosen, rejected = rewards(engine, [train.examples[i] for i in order.next_ids()],
-                                       tokenizer.pad_token_id, device)
+            batch = [train.examples[i] for i in order.next_ids()]
+            chosen, rejected = rewards(engine, batch, tokenizer.pad_token_id, device)
             loss = pairwise_reward_loss(chosen, rejected, rc.margin, rc.center_rewards_coefficient)
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / grad_accum
             step_acc += (chosen > rejected).float().mean().item() / grad_accum
+            step_tokens += sum(len(c) + len(r) for c, r in batch)
         step += 1
+        throughput.step(time.perf_counter() - t0, step_tokens)
         bar.update(1)
         if step % rc.log_every == 0 or step == rc.max_steps:
-            train_loss = T.all_mean(step_loss, device)
-            log.log(step, loss=train_loss, train_accuracy=T.all_mean(step_acc, device), lr=scheduler.get_last_lr()[0])
+            train_loss = all_mean(step_loss, device)
+            log.log(step, loss=train_loss, train_reward_accuracy=all_mean(step_acc, device),
+                    lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine), tokens_per_sec=throughput.window_rate())
         if step % rc.eval_every == 0 or step == rc.max_steps:
             accuracy, margin = evaluate(engine, val.examples, rc.micro_batch_size, tokenizer.pad_token_id,
                                         rank, world, device)
             log.log(step, reward_accuracy=accuracy, reward_margin=margin)
         if step % rc.save_every == 0 and step < rc.max_steps:
-            T.save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict()},
+            save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict()},
                         rank, rc.keep_last)
     bar.close()
     log.close()
 
-    state_dict = T.full_state_dict(engine.module, dist.zero_stage, rank)
+    tokens_per_sec = throughput.rate()
+    state_dict = full_state_dict(engine.module, dist.zero_stage, rank)
     if rank == 0:
-        T.export_hf(engine.module, state_dict, tokenizer, out_dir / "model", [tokenizer.eos_token_id])
-    T.barrier()
+        export_hf(engine.module, state_dict, tokenizer, out_dir / "model")
+    barrier()
     return {"reward_accuracy": round(accuracy, 6), "reward_margin": round(margin, 6),
-            "train_loss": round(train_loss, 6), "global_step": step, "bad_rows": data.bad_rows,
+            "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,
+            "bad_rows": data.bad_rows,
             "policy_pairs": len(added), "policy_samples": sampled,
             "skipped_identical": train.skipped["identical_responses"] + val.skipped["identical_responses"],
             "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],
@@ -155,4 +167,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("reward", run, OUTPUTS))
+    sys.exit(main("reward", run))

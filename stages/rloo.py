@@ -1,9 +1,13 @@
-"""RLOO stage: online RL of the SFT policy with TRL's RLOOTrainer, rewarded by the trained reward model
-(and, with preference.verifier_reward, a rule-based verifier of the demo answers), under DeepSpeed ZeRO.
+"""RLOO stage: online RL of the SFT policy with TRL's RLOOTrainer: num_generations completions a prompt,
+each one's advantage its reward less the mean reward of the others (REINFORCE leave-one-out). Rewarded by the
+trained reward model (and, with verifier_reward, a rule-based verifier of the demo answers), with an optional
+ptx term (the chosen responses' loss), under DeepSpeed ZeRO (accelerate launch).
 
-    accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m stages.rloo --config CONFIG
+    gptforge stage rloo -c CONFIG      (finds its inputs and output in the stage store)
+    accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.rloo \\
+        --config CONFIG --out DIR --input sft=DIR --input reward=DIR
 
-The shared wiring (Trainer arguments, resume, export, held-out report) is model.hf_trainer.run_online.
+The held-out report is the evaluation step's (gptforge.stages.evaluate).
 """
 
 from __future__ import annotations
@@ -11,18 +15,49 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from model.hf_trainer import run_online
-from pipeline.config import PipelineConfig
-from pipeline.entry import stage_main
+from gptforge.core.config import PipelineConfig
+from gptforge.data import loaders
+from gptforge.data.chat import ChosenRows
+from gptforge.model.distributed import barrier, setup_distributed
+from gptforge.model.evaluate import policy_and_judge
+from gptforge.model.export import export_trainer
+from gptforge.model.hf_trainer import (NoFinalCheckpoint, TrainerMetrics, answered_dataset, online_rewards,
+                                       positions_from_mask, resume_point, trainer_kwargs, with_ptx)
+from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
+    from transformers import AutoModelForCausalLM
     from trl import RLOOConfig, RLOOTrainer
 
-    return run_online(cfg, inputs, out_dir, "rloo", RLOOTrainer, RLOOConfig)
+    pc, oc, dist = cfg.preference, cfg.preference.rloo, cfg.distributed
+    rank, world, _ = setup_distributed()
+    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
+    pairs = loaders.preference_pairs(cfg.data).train
+    rewards = online_rewards(oc, reward_dir, reward_tokenizer)
+    args = RLOOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
+                      num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
+                      temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
+                      reward_weights=rewards.pop("reward_weights"))
+    trainer_cls = RLOOTrainer
+    if oc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
+        rows = ChosenRows(tokenizer, pairs, pc.max_length,
+                          oc.ptx_rows(pc.micro_batch_size, world, args.gradient_accumulation_steps),
+                          rank, world, cfg.run.seed)
+        trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
+    metrics = TrainerMetrics(out_dir / "logs")
+    policy = positions_from_mask(AutoModelForCausalLM.from_pretrained(sft_dir))
+    trainer = trainer_cls(model=policy, args=args, train_dataset=answered_dataset(pairs), processing_class=tokenizer,
+                          callbacks=[metrics, NoFinalCheckpoint()], **rewards)
+    if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
+        positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
+    trainer.train(resume_from_checkpoint=resume_point(out_dir, "rloo", rank))
+    export_trainer(trainer, tokenizer, out_dir / "model")
+    barrier()
+    return {"global_step": trainer.state.global_step, **metrics.final()}
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("rloo", run, OUTPUTS))
+    sys.exit(main("rloo", run))

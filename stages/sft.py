@@ -1,12 +1,13 @@
 """SFT stage: supervised fine-tuning of the pretrained model on chat data, under DeepSpeed ZeRO.
 
-    deepspeed --num_gpus 2 -m stages.sft --config configs/tiny.yaml
+    gptforge stage sft -c configs/tiny.yaml      (finds its input and output in the stage store)
+    deepspeed --num_gpus 2 -m gptforge.stages.sft --config CONFIG --out DIR --input pretrain=DIR
 
 The loop is our own rather than TRL's SFTTrainer so that every training stage shares one exact-resume
 mechanism (step checkpoints with loader position and RNG states, see model.train) and one launcher
 story; the loss is assistant-only by default (the chat template's generation markers), packing optional.
-Evaluation: val loss on held-out conversations and greedy exact match on the held-out verifiable items,
-for this model and for the pretrained base model prompted in the same chat format.
+Validation: the loss on held-out conversations, before training (`base_val_loss`) and after (`val_loss`).
+Generation on held-out items is the evaluation step's (gptforge.stages.evaluate), over the finished output.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from data import loaders
-from data.chat import collate, encode_conversations, pack
-from data.loader import DistributedOrder
-from model import train as T
-from model.evaluate import exact_match
-from model.losses import causal_lm_loss
-from pipeline.config import PipelineConfig
-from pipeline.entry import stage_main
-from pipeline.errors import DataError
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import DataError
+from gptforge.data import loaders
+from gptforge.data.chat import collate, encode_conversations, pack
+from gptforge.data.loader import DistributedOrder
+from gptforge.model.checkpoints import resume, save_step
+from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
+from gptforge.model.engine import grad_norm, init_engine
+from gptforge.model.export import export_hf, full_state_dict
+from gptforge.model.losses import causal_lm_loss
+from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
 
@@ -44,7 +48,7 @@ def val_loss(engine, examples, micro_batch: int, pad_id: int, rank: int, world: 
                                 y.to(device)).item() * n
         tokens += n
     engine.train()
-    total, tokens = T.all_sum([total, tokens], device)
+    total, tokens = all_sum([total, tokens], device)
     return total / tokens
 
 
@@ -52,7 +56,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sc, dist = cfg.sft, cfg.distributed
-    rank, world, device = T.setup_distributed()
+    rank, world, device = setup_distributed()
     base_dir = inputs["pretrain"] / "model"
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     data = loaders.conversations(cfg.data)
@@ -70,60 +74,56 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(base_dir)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    engine, scheduler, grad_accum = T.init_engine(model, sc, dist, world, device)
+    engine, scheduler, grad_accum = init_engine(model, sc, dist, world, device)
     order = DistributedOrder(len(examples), sc.micro_batch_size, rank, world, seed=cfg.run.seed)
-    state = T.resume({"model": engine}, out_dir / "checkpoints", rank, "sft")
+    state = resume({"model": engine}, out_dir / "checkpoints", rank, "sft")
     step = state["step"] if state else 0
     if state:
         order.load_state_dict(state["loader"])
-    log = T.MetricsLog(out_dir / "logs", rank, resume_step=step)
+    base_val_loss = state["base_val_loss"] if state else val_loss(engine, val.examples, sc.micro_batch_size,
+                                                                    tokenizer.pad_token_id, rank, world, device)
+    log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     bar = tqdm(total=sc.max_steps, initial=step, desc="sft", file=sys.stderr, disable=rank != 0, mininterval=2.0)
     train_loss = loss_val = float("nan")
-    t0, tokens_seen = time.perf_counter(), 0
+    throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
     while step < sc.max_steps:
-        step_loss = 0.0
+        t0, step_loss, step_tokens = time.perf_counter(), 0.0, 0
         for _ in range(grad_accum):
             x, a, y = collate([examples[i] for i in order.next_ids()], tokenizer.pad_token_id)  # (B, T) each
             loss = causal_lm_loss(engine(input_ids=x.to(device), attention_mask=a.to(device)).logits, y.to(device))
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / grad_accum
-            tokens_seen += int(a.sum())
+            step_tokens += int(a.sum())
         step += 1
+        throughput.step(time.perf_counter() - t0, step_tokens)
         bar.update(1)
         if step % sc.log_every == 0 or step == sc.max_steps:
-            train_loss = T.all_mean(step_loss, device)
-            log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0],
-                    tokens_per_sec=tokens_seen * world / (time.perf_counter() - t0))
-            t0, tokens_seen = time.perf_counter(), 0
+            train_loss = all_mean(step_loss, device)
+            log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
+                    tokens_per_sec=throughput.window_rate())
         if step % sc.eval_every == 0 or step == sc.max_steps:
             loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, rank, world, device)
             log.log(step, val_loss=loss_val)
         if step % sc.save_every == 0 and step < sc.max_steps:
-            T.save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict()},
-                        rank, sc.keep_last)
+            save_step({"model": engine}, out_dir / "checkpoints", step,
+                      {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss}, rank, sc.keep_last)
     bar.close()
     log.close()
 
-    state_dict = T.full_state_dict(engine.module, dist.zero_stage, rank)
-    metrics = {"val_loss": round(loss_val, 6), "train_loss": round(train_loss, 6), "global_step": step,
-               "exact_match": None, "base_exact_match": None, "bad_rows": data.bad_rows,
-               "skipped_no_assistant_turn": train.skipped["no_assistant_turn"] + val.skipped["no_assistant_turn"],
-               "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],
-               "truncated": train.truncated + val.truncated}
+    tokens_per_sec = throughput.rate()
+    state_dict = full_state_dict(engine.module, dist.zero_stage, rank)
     if rank == 0:
-        base = AutoModelForCausalLM.from_pretrained(base_dir)
-        T.export_hf(engine.module, state_dict, tokenizer, out_dir / "model", base.generation_config.eos_token_id)
-        items = loaders.eval_items(cfg.data)[:cfg.eval.items]
-        sft_model = AutoModelForCausalLM.from_pretrained(out_dir / "model")
-        metrics["exact_match"], responses = exact_match(sft_model, tokenizer, items, cfg.eval.max_new_tokens)
-        metrics["base_exact_match"], _ = exact_match(base, tokenizer, items, cfg.eval.max_new_tokens)
-        for it, r in list(zip(items, responses))[:5]:
-            print(f"[sft] {it['prompt'][-1]['content']!r} -> {r!r} (answer {it['answer']!r})", flush=True)
-    T.barrier()
-    return metrics
+        export_hf(engine.module, state_dict, tokenizer, out_dir / "model")
+    barrier()
+    return {"val_loss": round(loss_val, 6), "base_val_loss": round(base_val_loss, 6),
+            "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,
+            "bad_rows": data.bad_rows,
+            "skipped_no_assistant_turn": train.skipped["no_assistant_turn"] + val.skipped["no_assistant_turn"],
+            "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],
+            "truncated": train.truncated + val.truncated}
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("sft", run, OUTPUTS))
+    sys.exit(main("sft", run))

@@ -1,7 +1,8 @@
 """Tokenize stage: train (or load) a byte-level BPE tokenizer and encode the pretraining corpus into
 binary token shards with a train/val split.
 
-    python -m stages.tokenize --config configs/tiny.yaml
+    gptforge stage tokenize -c configs/tiny.yaml
+    python -m gptforge.stages.tokenize --config configs/tiny.yaml --out DIR
 
 Outputs: `tokenizer/` (Hugging Face files with the chat template) and `shards/` (see data.shards).
 """
@@ -16,12 +17,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data import loaders
-from data.shards import encode_splits
-from data.tokenizer import load_pretrained, save_hf, train_bpe
-from pipeline.config import PipelineConfig
-from pipeline.entry import stage_main
-from pipeline.errors import DataError
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import DataError
+from gptforge.data import loaders
+from gptforge.data.shards import encode_splits
+from gptforge.data.tokenizer import load_pretrained, save_hf, train_bpe
+from gptforge.stages.cli import main
 
 OUTPUTS = {"tokenizer": "tokenizer", "shards": "shards"}
 
@@ -47,7 +48,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     else:
         t0 = time.perf_counter()
         tok = train_bpe(docs, tc.vocab_size, tc.min_frequency, tc.special_tokens)
-        save_hf(tok, tok_dir, tc.special_tokens, model_max_length=cfg.model.arch().n_positions)
+        save_hf(tok, tok_dir, tc.special_tokens)
         eos_id = tok.token_to_id(tc.special_tokens[0])
         print(f"[tokenize] trained BPE, vocab {tok.get_vocab_size()} in {time.perf_counter() - t0:.1f}s", flush=True)
     vocab_size = tok.get_vocab_size()
@@ -73,4 +74,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(stage_main("tokenize", run, OUTPUTS))
+    sys.exit(main("tokenize", run))

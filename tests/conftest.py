@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from pipeline.config import load_config  # noqa: E402
+from gptforge.core.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -55,3 +55,16 @@ def chain(tmp_path_factory):
     out["sft"] = run_stage(cfg, path, "sft")
     out["reward"] = run_stage(cfg, path, "reward")
     return out
+
+
+DPO = ["preference.algorithm=dpo", "distributed.zero_stage=2", "preference.max_steps=6", "preference.lr=5e-4",
+       "preference.save_every=2"]
+
+
+@pytest.fixture(scope="session")
+def dpo(chain, tmp_path_factory):
+    """DPO (TRL, ZeRO-2, 2 processes) on the chain's SFT policy: (manifest, out_dir, output, cfg, path)."""
+    from tests.helpers import prepared, run_stage
+
+    cfg, path = prepared(chain, tmp_path_factory.mktemp("dpo"), *DPO)
+    return (*run_stage(cfg, path, "dpo"), cfg, path)

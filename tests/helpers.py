@@ -9,12 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline.config import dump_config, load_config
-from pipeline.entry import execute, locate
-from pipeline.launch import stage_command, stage_env
-from pipeline.store import read_manifest
-from stages import tokenize
+import pytest
 
+from gptforge.core.config import dump_config, load_config
+from gptforge.pipeline.launch import StageFailed, stage_command, stage_env
+from gptforge.pipeline.launch import run_stage as run_step
+from gptforge.pipeline.store import RunRecord, execute, locate, read_manifest
 from tests.conftest import ROOT, SMALL, TINY
 
 # Short, fast training for every stage; each test adds what it needs.
@@ -46,21 +46,29 @@ def config(root: Path, *overrides):
 
 
 def tokenize_in_process(cfg):
-    execute(cfg, "tokenize", tokenize.run, tokenize.OUTPUTS)
+    execute(cfg, "tokenize")
+
+
+def command(cfg, path, stage) -> list[str]:
+    """The launcher command that runs a stage into its store folder on its inputs."""
+    out_dir, _, inputs = locate(cfg, stage)
+    return stage_command(cfg, stage, path, out_dir, {up: d for up, (d, _) in inputs.items()})
 
 
 def launch(cfg, path, stage, stdout=subprocess.PIPE) -> subprocess.Popen:
-    return subprocess.Popen(stage_command(cfg, stage, path), cwd=ROOT, env={**os.environ, **stage_env()},
+    return subprocess.Popen(command(cfg, path, stage), cwd=ROOT, env={**os.environ, **stage_env()},
                             stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def run_stage(cfg, path, stage):
-    """Run a stage to completion under its launcher; return (manifest, out_dir, output)."""
-    proc = launch(cfg, path, stage)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-5000:]
-    out_dir = locate(cfg, stage)[0]
-    return read_manifest(out_dir), out_dir, out
+    """Run a stage to completion under its launcher, as the pipeline does without Prefect; return
+    (manifest, out_dir, output)."""
+    lines = []
+    try:
+        manifest = run_step(cfg, stage, path, RunRecord(cfg), lines.append)
+    except StageFailed as e:
+        pytest.fail(f"{e}\n" + "\n".join(lines[-150:]))
+    return manifest, locate(cfg, stage)[0], "\n".join(lines)
 
 
 def kill_after_checkpoint(cfg, path, stage, step: int) -> Path:
@@ -90,3 +98,29 @@ def copy_store(src_root: Path, dst_root: Path, *stages):
 def logged(out_dir: Path, key: str) -> list[float]:
     rows = [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in rows if key in r]
+
+
+UPSTREAM = ("tokenize", "pretrain", "sft", "reward")
+
+
+def prepared(chain, root: Path, *overrides):
+    """A config rooted at `root` whose tokenize, pretrain, sft and reward outputs are the chain's."""
+    cfg, path = config(root, *overrides)
+    copy_store(chain["root"], root, *UPSTREAM)
+    return cfg, path
+
+
+def changed_from_sft(chain, out_dir) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    sft = load_file(chain["sft"][1] / "model" / "model.safetensors")
+    tuned = load_file(out_dir / "model" / "model.safetensors")
+    common = sft.keys() & tuned.keys()  # a gathered ZeRO-3 export may also list the tied lm_head
+    assert (sft.keys() | tuned.keys()) - common <= {"lm_head.weight"}
+    return any(not torch.equal(sft[k], tuned[k]) for k in common)
+
+
+def logged_names(out_dir: Path) -> set[str]:
+    rows = [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return {k for r in rows for k in r} - {"step"}

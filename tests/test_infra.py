@@ -7,15 +7,14 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline.cli import build_parser
-
+from gptforge.pipeline.cli import build_parser
 from tests.conftest import ROOT
 
 INFRA = ROOT / "infra"
 
 
 def commands_in(text: str) -> list[str]:
-    return re.findall(r"-m (stages\.\w+|pipeline\.\w+)|gptforge (\w+)", text)
+    return re.findall(r"-m (gptforge\.stages\.\w+|gptforge\.pipeline\.\w+)|gptforge (\w+)", text)
 
 
 def check_references(text: str) -> None:
@@ -36,7 +35,7 @@ def test_yaml_templates_parse_and_reference_real_commands(path):
     if path.name == "prefect.yaml":
         for dep in docs[0]["deployments"]:
             module, func = dep["entrypoint"].split(":")
-            mod = importlib.import_module(module.removesuffix(".py").replace("/", "."))
+            mod = importlib.import_module("gptforge." + module.removesuffix(".py").replace("/", "."))
             assert callable(getattr(mod, func))
         assert docs[0]["deployments"][0]["schedules"][0]["cron"]
         return
@@ -55,7 +54,7 @@ def test_shell_templates_parse_and_reference_real_commands(path):
 
 
 def test_multi_node_overrides_in_templates_are_valid_config():
-    from pipeline.config import load_config
+    from gptforge.core.config import load_config
 
     text = "\n".join(p.read_text() for p in INFRA.rglob("*") if p.is_file())
     keys = set(re.findall(r"--set ([\w.]+)=", text))

@@ -4,9 +4,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.adapters import normalise, parse_hh, to_messages, to_pair, to_text
-from data.sources import read_local
-from pipeline.errors import DataError
+from gptforge.core.errors import DataError
+from gptforge.data.adapters import normalise, parse_hh, to_messages, to_pair, to_text
+from gptforge.data.sources import read_local
 
 
 def write_jsonl(path, rows):

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from data.chat import ChosenRows, collate, encode_conversations, encode_pairs, pack, positions
-from data.tokenizer import save_hf, train_bpe
-from model.losses import IGNORE, pairwise_reward_loss
+from gptforge.core.errors import DataError
+from gptforge.data.chat import (IGNORE, ChosenRows, collate, encode_conversations, encode_pairs, left_pad, pack,
+                                positions)
+from gptforge.data.tokenizer import save_hf, train_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -14,7 +15,7 @@ def tokenizer(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tok")
     tok = train_bpe(["user assistant hello there yes no"] * 50, 300, 2, SPECIALS)
-    save_hf(tok, d, SPECIALS, 128)
+    save_hf(tok, d, SPECIALS)
     return AutoTokenizer.from_pretrained(d)
 
 
@@ -56,17 +57,6 @@ def test_pack_fills_sequences():
     assert [len(x) for x, _ in pack(ex, 7)] == [7, 2]
 
 
-def test_pairwise_loss_by_hand():
-    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
-    softplus = lambda v: torch.log1p(torch.exp(torch.tensor(v))).item()  # noqa: E731  -log sigmoid(x) = softplus(-x)
-    assert pairwise_reward_loss(chosen, rejected).item() == pytest.approx((softplus(-2.0) + softplus(0.0)) / 2)
-    # margin 1: -log sigmoid(2 - 1), -log sigmoid(0 - 1)
-    assert pairwise_reward_loss(chosen, rejected, margin=1.0).item() == pytest.approx((softplus(-1.0) + softplus(1.0)) / 2)
-    # centering: 0.5 * mean((2+0)^2, (0+0)^2) = 1
-    with_center = pairwise_reward_loss(chosen, rejected, center_coefficient=0.5).item()
-    assert with_center == pytest.approx((softplus(-2.0) + softplus(0.0)) / 2 + 1.0)
-
-
 def test_chosen_rows_train_on_the_chosen_response_only(tokenizer):
     pairs = [{"prompt": [{"role": "user", "content": "hello"}], "chosen": "yes", "rejected": "no"},
              {"prompt": [{"role": "user", "content": "hello there"}], "chosen": "no", "rejected": "yes"}]
@@ -74,8 +64,16 @@ def test_chosen_rows_train_on_the_chosen_response_only(tokenizer):
     (ids, labels), = encode_conversations(tokenizer, [{"messages": pairs[0]["prompt"] + [
         {"role": "assistant", "content": "yes"}]}], 64, True, "skip").examples
     assert (ids, labels) in rows.examples and len(rows.examples) == 2
-    with pytest.raises(Exception, match="preference.max_length=4"):
+    x, _, y = rows.batch(0)
+    (ids0, labels0), = [rows.examples[i] for i in rows.order.ids_at(0)]
+    assert x[0].tolist() == ids0 and y[0].tolist() == labels0[1:] + [IGNORE]  # targets: the chosen response
+    with pytest.raises(DataError, match="preference.max_length=4"):
         ChosenRows(tokenizer, pairs, 4, micro_batch=1, rank=0, world=1, seed=0)
+
+
+def test_left_pad_by_hand():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
 def test_positions_skip_left_padding():

@@ -1,4 +1,4 @@
-from data.demo import TASKS, generate, is_held_out, make_item
+from gptforge.data.demo import TASKS, generate, is_held_out, make_item
 
 
 def test_deterministic():

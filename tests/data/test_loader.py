@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
 
-from data.loader import DistributedOrder, TokenWindows, eval_batches
-from data.shards import unigram_entropy
+from gptforge.data.loader import DistributedOrder, TokenWindows, eval_batches
 
 
 def test_ranks_take_disjoint_slices_of_each_global_batch():
@@ -38,11 +37,6 @@ def test_eval_batches_cover_disjoint_windows():
     got = [x for r in range(2) for x, _ in eval_batches(tokens, 10, 2, 3, r, 2)]
     starts = sorted(int(x[i, 0]) for x in got for i in range(len(x)))
     assert starts == [10 * i for i in range(12)]
-
-
-def test_unigram_entropy_by_hand():
-    assert unigram_entropy(np.array([1, 1, 2, 2])) == pytest.approx(np.log(2))
-    assert unigram_entropy(np.array([5, 5, 5])) == pytest.approx(0.0)
 
 
 def test_ids_at_a_micro_step_depend_on_the_step_and_rank_alone():

@@ -1,12 +1,39 @@
-"""PPO pieces against values worked out by hand (see the comments)."""
+"""Losses against values worked out by hand (see the comments)."""
 
 import math
 
 import pytest
 import torch
 
-from model.losses import (AdaptiveKLController, gae, kl_per_token, ppo_policy_loss, ppo_value_loss, token_rewards,
-                          whiten)
+from gptforge.data.chat import IGNORE
+from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, pairwise_reward_loss,
+                                   ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
+
+
+def test_causal_lm_loss_by_hand():
+    # logits favour token 0 with log-odds ln(3) over token 1; targets 0 and 1, third ignored
+    logits = torch.tensor([[[math.log(3.0), 0.0], [math.log(3.0), 0.0], [5.0, 0.0]]])
+    targets = torch.tensor([[0, 1, IGNORE]])
+    want = (-math.log(3 / 4) - math.log(1 / 4)) / 2
+    assert causal_lm_loss(logits, targets).item() == pytest.approx(want, rel=1e-6)
+
+
+def softplus(v: float) -> float:  # -log sigmoid(x) = softplus(-x)
+    return math.log1p(math.exp(v))
+
+
+def test_pairwise_loss_by_hand():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    assert pairwise_reward_loss(chosen, rejected).item() == pytest.approx((softplus(-2.0) + softplus(0.0)) / 2)
+    # margin 1: -log sigmoid(2 - 1), -log sigmoid(0 - 1)
+    with_margin = pairwise_reward_loss(chosen, rejected, margin=1.0).item()
+    assert with_margin == pytest.approx((softplus(-1.0) + softplus(1.0)) / 2)
+    # centering: 0.5 * mean((2+0)^2, (0+0)^2) = 1
+    with_center = pairwise_reward_loss(chosen, rejected, center_coefficient=0.5).item()
+    assert with_center == pytest.approx((softplus(-2.0) + softplus(0.0)) / 2 + 1.0)
+    # the loss falls as the chosen reward rises above the rejected one: a sign flip fails here
+    assert pairwise_reward_loss(torch.tensor([3.0]), torch.tensor([0.0])) < pairwise_reward_loss(
+        torch.tensor([0.0]), torch.tensor([3.0]))
 
 
 def test_gae_by_hand():

@@ -3,9 +3,8 @@ import sys
 
 import pytest
 
-from model.plan import make_plan, model_state_bytes
-from model.presets import PRESETS
-
+from gptforge.core.presets import PRESETS
+from gptforge.model.plan import make_plan, model_state_bytes
 from tests.conftest import ROOT
 
 
@@ -30,7 +29,7 @@ def test_zero_stages_by_hand():
 
 
 def test_plan_command():
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "--set", "model.preset=gpt3-175b",
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--set", "model.preset=gpt3-175b",
                            "--set", "pretrain.seq_len=2048", "--set", "pretrain.micro_batch_size=1",
                            "--set", "pretrain.global_batch_size=2", "--gpus", "1024", "--gpu-mem", "80",
                            "--tokens", "300e9"], capture_output=True, text=True, cwd=ROOT)

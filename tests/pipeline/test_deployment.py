@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.entry import locate
-
+from gptforge.pipeline.store import locate
 from tests.helpers import config
 
 pytestmark = pytest.mark.slow
@@ -42,8 +41,8 @@ def served(prefect_server, tmp_path_factory):
     cfg, path = config(root, *PIPE)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     log = open(root / "serve.log", "w")  # a pipe nobody reads would fill up and block the server
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "-c", str(path), "--name", "gptforge-test"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = [sys.executable, "-m", "gptforge.pipeline.cli", "serve", "-c", str(path), "--name", "gptforge-test"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     from prefect.client.orchestration import get_client
 
     deadline = time.time() + 120
@@ -120,7 +119,7 @@ def test_cancel_kills_every_stage_process(served, tmp_path):
     run = start(cfg)
     marker = str(tmp_path)
     deadline = time.time() + 300
-    while not any("stages.pretrain" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+    while not any("gptforge.stages.pretrain" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
                   for p in stage_pids(marker) if Path(f"/proc/{p}").exists()):
         assert time.time() < deadline, "pretrain never started"
         time.sleep(0.5)
@@ -144,7 +143,7 @@ def test_killed_stage_is_resumed_by_the_retry(served, tmp_path):
     while not ckpt.exists():
         assert time.time() < deadline
         time.sleep(0.1)
-    for pid in stage_pids("stages.pretrain"):
+    for pid in stage_pids("gptforge.stages.pretrain"):
         if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)

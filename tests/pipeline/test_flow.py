@@ -2,10 +2,8 @@ import json
 import subprocess
 import sys
 
-from pipeline.config import dump_config
-from pipeline.flow import pipeline_flow
-
-from tests.conftest import ROOT
+from gptforge.core.config import dump_config
+from gptforge.pipeline.flow import pipeline_flow
 
 ONLY_TOKENIZE = ["pretrain.enabled=false", "sft.enabled=false", "reward.enabled=false", "preference.enabled=false"]
 
@@ -37,16 +35,16 @@ def test_flow_runs_then_reuses_and_reports(prefect_server, small_cfg, tmp_path):
 
 def test_stage_command_without_prefect(small_cfg, tmp_path):
     path = write_cfg(small_cfg(), tmp_path)
-    cmd = [sys.executable, "-m", "pipeline.cli", "stage", "tokenize", "-c", path]
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    cmd = [sys.executable, "-m", "gptforge.pipeline.cli", "stage", "tokenize", "-c", path]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert "reusing complete output" in again.stdout
 
 
 def test_missing_data_file_is_one_line(small_cfg, tmp_path):
     path = write_cfg(small_cfg(f"data.pretrain={tmp_path / 'missing.txt'}"), tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "stages.tokenize", "--config", path],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "gptforge.stages.tokenize", "--config", path, "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"error: file not found: {tmp_path / 'missing.txt'}"

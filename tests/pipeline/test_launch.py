@@ -1,25 +1,29 @@
 import sys
+from pathlib import Path
 
-from pipeline.config import load_config
-from pipeline.launch import stage_command
-
+from gptforge.core.config import load_config
+from gptforge.pipeline.launch import stage_command
 from tests.conftest import TINY
 
 BATCHES = [f"{s}.global_batch_size=256" for s in ("pretrain", "sft", "reward", "preference")]
+ARGS = ["--config", "cfg.yaml", "--out", "out", "--input", "tokenize=tok"]
 
 
-def cmd(*overrides, stage="pretrain"):
-    return stage_command(load_config(TINY, [*BATCHES, *overrides]), stage, "cfg.yaml")
+def cmd(*overrides, stage="pretrain", inputs=None):
+    return stage_command(load_config(TINY, [*BATCHES, *overrides]), stage, Path("cfg.yaml"), Path("out"),
+                         {"tokenize": Path("tok")} if inputs is None else inputs)
 
 
-def test_tokenize_runs_as_one_process():
-    assert cmd(stage="tokenize") == [sys.executable, "-m", "stages.tokenize", "--config", "cfg.yaml"]
+def test_tokenize_and_evaluation_run_as_one_process():
+    assert cmd(stage="tokenize", inputs={}) == [sys.executable, "-m", "gptforge.stages.tokenize", "--config",
+                                                "cfg.yaml", "--out", "out"]
+    assert cmd(stage="eval-dpo", inputs={"dpo": Path("d")})[:3] == [sys.executable, "-m", "gptforge.stages.evaluate"]
 
 
 def test_deepspeed_single_node_and_hostfile():
     c = cmd("distributed.nproc_per_node=4")
     assert c[1:3] == ["-m", "deepspeed.launcher.runner"] and c[c.index("--num_gpus") + 1] == "4"
-    assert c[-4:] == ["--module", "stages.pretrain", "--config", "cfg.yaml"]
+    assert c[-8:] == ["--module", "gptforge.stages.pretrain", *ARGS]
     h = cmd("distributed.hostfile=/etc/hosts.ds", "distributed.master_addr=10.0.0.1", "distributed.nnodes=2")
     assert h[h.index("--hostfile") + 1] == "/etc/hosts.ds" and h[h.index("--master_addr") + 1] == "10.0.0.1"
     assert "--num_gpus" not in h
@@ -30,7 +34,7 @@ def test_torchrun_multi_node():
             "distributed.master_addr=10.0.0.1", "distributed.nproc_per_node=8")
     assert c[1:3] == ["-m", "torch.distributed.run"]
     assert {"--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--nproc_per_node=8"} <= set(c)
-    assert c[-4:] == ["-m", "stages.pretrain", "--config", "cfg.yaml"]
+    assert c[-8:] == ["-m", "gptforge.stages.pretrain", *ARGS]
 
 
 def test_accelerate_uses_deepspeed_with_world_size():
@@ -38,7 +42,7 @@ def test_accelerate_uses_deepspeed_with_world_size():
             "distributed.zero_stage=3")
     assert "--use_deepspeed" in c and c[c.index("--num_processes") + 1] == "8"
     assert c[c.index("--zero_stage") + 1] == "3" and "--deepspeed_multinode_launcher" in c
-    assert c[-4:] == ["-m", "stages.pretrain", "--config", "cfg.yaml"]
+    assert c[-8:] == ["-m", "gptforge.stages.pretrain", *ARGS]
 
 
 def test_sigterm_kills_the_whole_stage_group(tmp_path):
@@ -48,17 +52,17 @@ def test_sigterm_kills_the_whole_stage_group(tmp_path):
     import subprocess
     import textwrap
     import time
-    from pathlib import Path
 
     from tests.pipeline.test_deployment import stage_pids
 
     marker = str(tmp_path)
-    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', sys.argv[1]]); print('ready', flush=True); time.sleep(300)"
+    child = ("import subprocess, sys, time; "
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', sys.argv[1]]); "
+             "print('ready', flush=True); time.sleep(300)")
     parent = tmp_path / "parent.py"
     parent.write_text(textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-        from pipeline.launch import run_streaming
+        from gptforge.pipeline.launch import run_streaming
         run_streaming([sys.executable, "-c", {child!r}, {marker!r}], lambda line: print(line, flush=True))
     """))
     log = tmp_path / "log"

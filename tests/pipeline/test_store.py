@@ -6,11 +6,13 @@ import sys
 
 import pytest
 
-from pipeline.entry import execute, locate
-from pipeline.errors import InputError
-from pipeline.store import fingerprints, read_manifest, write_json_atomic
+from gptforge.core.errors import InputError
+from gptforge.core.files import write_json_atomic
+from gptforge.pipeline.store import execute, fingerprints, locate, read_manifest
 
-from tests.conftest import ROOT
+
+def changed(before: dict, after: dict) -> list[str]:
+    return [s for s in before if before[s] != after[s]]
 
 
 def test_same_config_same_fingerprint(small_cfg):
@@ -19,10 +21,39 @@ def test_same_config_same_fingerprint(small_cfg):
 
 def test_change_propagates_downstream_only(small_cfg):
     base = fingerprints(small_cfg())
-    sft = fingerprints(small_cfg("sft.lr=1e-4"))
-    assert [s for s in base if base[s] != sft[s]] == ["sft", "reward", "dpo"]
+    assert list(base) == ["tokenize", "pretrain", "sft", "eval-sft", "reward", "dpo", "eval-dpo"]
+    assert changed(base, fingerprints(small_cfg("sft.lr=1e-4"))) == ["sft", "eval-sft", "reward", "dpo", "eval-dpo"]
     tok = fingerprints(small_cfg("tokenizer.vocab_size=300"))
     assert all(base[s] != tok[s] for s in base)
+
+
+@pytest.mark.parametrize("override", ["pretrain.log_every=50", "pretrain.eval_every=7", "pretrain.save_every=3",
+                                      "pretrain.keep_last=5", "pretrain.compile=true", "sft.log_every=1",
+                                      "preference.save_every=2", "tokenizer.num_workers=1", "distributed.zero_stage=3",
+                                      "preference.algorithm=[dpo,ppo]"])
+def test_settings_that_cannot_change_a_result_reuse_every_stage(small_cfg, override):
+    base = fingerprints(small_cfg())
+    assert changed(base, fingerprints(small_cfg(override))) == []
+
+
+def test_each_algorithm_hashes_the_shared_fields_and_its_own():
+    from gptforge.core.config import load_config
+    from tests.conftest import TINY
+
+    every = ["preference.algorithm=[dpo,ppo,grpo,rloo]"]
+    base = fingerprints(load_config(TINY, every))
+    assert changed(base, fingerprints(load_config(TINY, [*every, "preference.ppo.ppo_epochs=4"]))) == [
+        "ppo", "eval-ppo"]
+    assert changed(base, fingerprints(load_config(TINY, [*every, "preference.grpo.ptx_coef=0.5"]))) == [
+        "grpo", "eval-grpo"]
+    assert changed(base, fingerprints(load_config(TINY, [*every, "preference.beta=0.2"]))) == [
+        "dpo", "eval-dpo", "ppo", "eval-ppo", "grpo", "eval-grpo", "rloo", "eval-rloo"]
+
+
+def test_evaluation_settings_rerun_evaluation_only(small_cfg):
+    base = fingerprints(small_cfg())
+    assert changed(base, fingerprints(small_cfg("eval.items=10"))) == ["eval-sft", "eval-dpo"]
+    assert changed(base, fingerprints(small_cfg("eval.max_new_tokens=4"))) == ["eval-sft", "eval-dpo"]
 
 
 def test_changed_data_file_changes_its_stage_and_downstream(small_cfg, tmp_path):
@@ -36,8 +67,8 @@ def test_changed_data_file_changes_its_stage_and_downstream(small_cfg, tmp_path)
     chat = tmp_path / "chat.jsonl"
     chat.write_text('{"instruction": "hi", "output": "hello"}\n')
     base = fingerprints(small_cfg())
-    new = fingerprints(small_cfg(f"data.sft={chat}"))
-    assert [s for s in base if base[s] != new[s]] == ["sft", "reward", "dpo"]
+    assert changed(base, fingerprints(small_cfg(f"data.sft={chat}"))) == [
+        "sft", "eval-sft", "reward", "dpo", "eval-dpo"]
 
 
 def test_atomic_json_leaves_no_temp_files(tmp_path):
@@ -49,8 +80,8 @@ def test_atomic_json_leaves_no_temp_files(tmp_path):
 
 KILLED_STAGE = """
 import os, signal, sys
-from pipeline.config import load_config
-from pipeline.entry import execute
+from gptforge.core.config import load_config
+from gptforge.pipeline.store import execute
 
 def run(cfg, inputs, out_dir):
     (out_dir / "shards").mkdir()
@@ -65,7 +96,7 @@ def test_stage_killed_before_manifest_is_never_consumed(small_cfg, tmp_path):
     cfg = small_cfg()
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
-    proc = subprocess.run([sys.executable, "-c", KILLED_STAGE, str(cfg_path)], cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", KILLED_STAGE, str(cfg_path)], cwd=tmp_path)
     assert proc.returncode == -signal.SIGKILL
     out_dir, _, _ = locate(cfg, "tokenize")
     assert (out_dir / "shards" / "index.json").exists()
@@ -98,6 +129,8 @@ def test_corrupted_output_is_not_complete(small_cfg):
 def test_demo_parts_fingerprint_separately(small_cfg):
     base = fingerprints(small_cfg())
     pairs = fingerprints(small_cfg("data.demo.preference_pairs=123"))
-    assert [s for s in base if base[s] != pairs[s]] == ["reward", "dpo"]
+    assert changed(base, pairs) == ["reward", "dpo", "eval-dpo"]
     corpus = fingerprints(small_cfg("data.demo.pretrain_docs=1234"))
     assert all(base[s] != corpus[s] for s in base)
+    held_out = fingerprints(small_cfg("data.demo.eval_items=30"))  # validation rows and the evaluated items
+    assert changed(base, held_out) == ["sft", "eval-sft", "reward", "dpo", "eval-dpo"]

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
-from model import train as T
-from pipeline.errors import DataError
-from stages.pretrain import load_data
-
+from gptforge.core.errors import DataError
+from gptforge.model.checkpoints import newest_valid_checkpoint
+from gptforge.stages.pretrain import load_data
 from tests.helpers import config, kill_after_checkpoint, logged, run_stage, tokenize_in_process
 
 pytestmark = pytest.mark.slow
@@ -36,15 +35,20 @@ def test_zero2_trains_and_exports(zero2, tmp_path):
     assert curve[-1] < curve[0] - 1.0  # the loss fell
     assert m["val_loss"] < m["unigram_entropy"]
     assert m["mfu"] is None and m["tokens_per_sec"] > 0  # no known peak on the CPU
+    rates = logged(out_dir, "tokens_per_sec")  # log_every=1: the first 5 steps of the start are not timed
+    assert rates[:5] == [None] * 5 and all(r > 0 for r in rates[5:])
     assert (out_dir / "logs" / "tb").is_dir()
     assert sorted(p.name for p in (out_dir / "checkpoints").glob("step-*")) == [
         "step-00000015", "step-00000020", "step-00000025"]  # keep_last=3
     # The export loads and generates with transformers alone, without gptforge on the path.
     script = ("import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
-              f"d={str(out_dir / 'model')!r}; m=AutoModelForCausalLM.from_pretrained(d); t=AutoTokenizer.from_pretrained(d);"
+              f"d={str(out_dir / 'model')!r}; m=AutoModelForCausalLM.from_pretrained(d);"
+              "t=AutoTokenizer.from_pretrained(d);"
               "ids=t('What is 2 plus 3?', return_tensors='pt').input_ids;"
               "out=m.generate(ids, max_new_tokens=5, do_sample=False);"
-              "assert out.shape[1] > ids.shape[1]; assert 'pipeline' not in sys.modules; print(t.decode(out[0]))")
+              "assert out.shape[1] > ids.shape[1]; assert 'gptforge' not in sys.modules;"
+              "assert m.generation_config.eos_token_id == [t.convert_tokens_to_ids('<|im_end|>'), t.eos_token_id];"
+              "assert t.model_max_length == m.config.n_positions; print(t.decode(out[0]))")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -84,7 +88,7 @@ def test_invalid_checkpoints_are_skipped_with_a_warning(zero2, tmp_path, capsys)
     model_file = next(p for p in (tmp_path / "step-00000025").rglob("*model_states.pt"))
     model_file.write_bytes(model_file.read_bytes()[:100])  # truncated
     (tmp_path / "step-00000020" / "complete.json").unlink()  # never marked complete
-    assert T.newest_valid_checkpoint(tmp_path, rank=0) == tmp_path / "step-00000015"
+    assert newest_valid_checkpoint(tmp_path, rank=0) == tmp_path / "step-00000015"
     err = capsys.readouterr().err
     assert "skipping checkpoint" in err and "truncated" in err and "not marked complete" in err
 
@@ -109,12 +113,12 @@ def test_other_launchers_run_two_processes(tmp_path, launcher):
 def test_out_of_memory_at_start_up_names_the_settings_to_change(tmp_path):
     """The allocator failing in the first step (simulated: the CPU allocator's error from the model's
     forward) ends the stage with one message naming the ZeRO stage, offload and micro-batch settings."""
-    from pipeline.entry import locate
-    from pipeline.store import read_manifest
-    from tests.conftest import ROOT
+    from gptforge.pipeline.store import locate, read_manifest
+    from gptforge.stages.cli import stage_args
 
     cfg, path = config(tmp_path, "distributed.nproc_per_node=1", "pretrain.global_batch_size=16")
     tokenize_in_process(cfg)
+    out_dir, _, inputs = locate(cfg, "pretrain")
     script = tmp_path / "oom.py"
     script.write_text(
         "import sys, runpy\n"
@@ -123,9 +127,10 @@ def test_out_of_memory_at_start_up_names_the_settings_to_change(tmp_path):
         "    raise RuntimeError('[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can\\'t allocate memory: '\n"
         "                       'you tried to allocate 68719476736 bytes')\n"
         "GPT2LMHeadModel.forward = forward\n"
-        "runpy.run_module('stages.pretrain', run_name='__main__')\n")
-    proc = subprocess.run([sys.executable, str(script), "--config", str(path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+        "runpy.run_module('gptforge.stages.pretrain', run_name='__main__')\n")
+    args = stage_args(path, out_dir, {"tokenize": inputs["tokenize"][0]})
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode != 0
     error = [line.split("error: ", 1)[1] for line in proc.stderr.splitlines() if "error: " in line]  # after tqdm's \r
     assert len(error) == 1, proc.stderr[-3000:]
@@ -133,4 +138,4 @@ def test_out_of_memory_at_start_up_names_the_settings_to_change(tmp_path):
                 "pretrain.micro_batch_size=", "distributed.activation_checkpointing"):
         assert key in error[0], error[0]
     assert "Traceback" not in proc.stderr
-    assert read_manifest(locate(cfg, "pretrain")[0]) is None  # nothing marked complete
+    assert read_manifest(out_dir) is None and not (out_dir / "result.json").exists()  # nothing marked complete

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from data.shards import ShardWriter, dtype_for, load_split, read_index
-from pipeline.entry import execute
-from stages import tokenize
+from gptforge.data.shards import load_split, read_index
+from gptforge.pipeline.store import execute
+from gptforge.stages import tokenize
 
 MIXED = ["Hello world, 23 plus 45 is 68.", "你好，世界！中文文本。", "emoji 🙂🚀 and ünïcödé",
          "tabs\tand  double  spaces", "العربية والعبرية עברית"]
@@ -27,7 +27,7 @@ def corpus(tmp_path):
 def test_tokenize_stage_end_to_end(small_cfg, corpus, capsys):
     path, docs = corpus
     cfg = small_cfg(f"data.pretrain={path}", "tokenizer.shard_tokens=2000")
-    manifest = execute(cfg, "tokenize", tokenize.run, tokenize.OUTPUTS)
+    manifest = execute(cfg, "tokenize")
     out_dir = path.parent / "runs" / "store" / "tokenize" / manifest["fingerprint"][:16]
     m = manifest["metrics"]
     assert m["bad_rows"] == 1 and f"{path}:12" in capsys.readouterr().err
@@ -53,7 +53,7 @@ def test_tokenize_stage_end_to_end(small_cfg, corpus, capsys):
 
 def test_chat_template_marks_assistant_tokens(small_cfg):
     cfg = small_cfg()
-    manifest = execute(cfg, "tokenize", tokenize.run, tokenize.OUTPUTS)
+    manifest = execute(cfg, "tokenize")
     tok = AutoTokenizer.from_pretrained(
         f"{cfg.run.root}/store/tokenize/{manifest['fingerprint'][:16]}/tokenizer")
     msgs = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]
@@ -62,19 +62,10 @@ def test_chat_template_marks_assistant_tokens(small_cfg):
     assert tok.decode(marked) == "5<|im_end|>\n"
 
 
-def test_dtype_and_shard_rollover(tmp_path):
-    assert dtype_for(65536) == np.uint16 and dtype_for(65537) == np.uint32
-    w = ShardWriter(tmp_path, "train", np.uint32, shard_tokens=5)
-    w.write(np.arange(12, dtype=np.int64))
-    w.close()
-    assert [s["tokens"] for s in w.shards] == [5, 5, 2]
-    assert np.fromfile(tmp_path / "train-00002.bin", dtype=np.uint32).tolist() == [10, 11]
-
-
 def test_a_number_is_one_token_wherever_it_stands():
     """Numbers are pre-tokenized apart from the space before them, so the answer of "Which is larger,
     89 or 3?" is the very token of the question's 89 (GPT-2's pre-tokenization makes it " 89" there)."""
-    from data.tokenizer import train_bpe
+    from gptforge.data.tokenizer import train_bpe
 
     texts = [f"Which is larger, {a} or {b}?\n{max(a, b)}" for a in range(100) for b in range(0, 100, 7)]
     tok = train_bpe(texts, 400, 2, ["<|endoftext|>"])

@@ -1,9 +1,10 @@
 """Model presets: GPT-2 family, GPT-3 family (Brown et al. 2020, Table 2.1), Llama-style, and `tiny`.
 
-A preset is a plain dict of architecture fields; `model.build` turns it into a `transformers` config.
+A preset is an `Arch`: plain architecture fields, which `gptforge.model.build` turns into a `transformers`
+config. They live in the core because the config schema validates `model.preset` against them.
 """
 
-from dataclasses import dataclass, asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)

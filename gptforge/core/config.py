@@ -1,0 +1,419 @@
+"""Typed pipeline config: one YAML, validated once at load, overridable with `--set section.key=value`.
+
+Every field has a type, a default and a one-line help (the Prefect UI shows them as the parameter form).
+A field that cannot change what a stage computes (how often it logs, evaluates or saves, how many
+checkpoints it keeps, `compile`, parallelism) is declared with `same_result=True`: the stage store leaves
+it out of fingerprints, so changing it never retrains anything (see `result_fields`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gptforge.core.errors import ConfigError
+from gptforge.core.presets import PRESETS
+
+ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
+Algorithm = Literal["dpo", "ppo", "grpo", "rloo"]
+
+
+def Setting(default: Any = ..., *, same_result: bool = False, **kw) -> Any:
+    """A config field; `same_result=True` marks one that cannot change a stage's output."""
+    return Field(default, json_schema_extra={"same_result": True} if same_result else None, **kw)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def result_fields(section: Section, leave_out: tuple[str, ...] = ()) -> dict:
+    """The fields of a section that can change a result (what a fingerprint hashes), nested sections included."""
+    out = {}
+    for name, field in type(section).model_fields.items():
+        if name in leave_out or (field.json_schema_extra or {}).get("same_result"):
+            continue
+        value = getattr(section, name)
+        out[name] = result_fields(value) if isinstance(value, Section) else section.model_dump(
+            mode="json", include={name})[name]
+    return out
+
+
+class RunSection(Section):
+    name: str = Setting("tiny", description="Run name: the run directory is <root>/<name>.")
+    root: str = Setting("runs", description="Directory holding runs and the stage store.")
+    seed: int = Setting(0, description="Global seed for data order, init and sampling.")
+    retries: int = Setting(0, ge=0, description="Prefect retries of a failed stage (a retry resumes from its "
+                           "checkpoint).")
+    retry_delay: int = Setting(10, ge=0, description="Seconds between retries.")
+    schedule: str | None = Setting(None, description="Cron schedule of the served deployment, e.g. '0 2 * * *'.")
+
+
+class DemoSection(Section):
+    seed: int = Setting(0, description="Seed of the built-in demo data generator.")
+    pretrain_docs: int = Setting(20000, ge=1, description="Number of pretraining documents (one Q/A or sentence each).")
+    sft_items: int = Setting(3000, ge=1, description="Number of instruction conversations.")
+    preference_pairs: int = Setting(2000, ge=1, description="Number of preference pairs.")
+    eval_items: int = Setting(200, ge=1, description="Number of held-out verifiable items.")
+
+
+class DataSection(Section):
+    pretrain: str = Setting("demo", description="Pretraining corpus: 'demo', a local file/folder/glob, or a hub "
+                            "dataset.")
+    sft: str = Setting("demo", description="Chat data (Alpaca, ShareGPT, OpenAI messages): 'demo', path or hub name.")
+    preference: str = Setting("demo", description="Preference pairs (prompt/chosen/rejected, UltraFeedback, HH): "
+                              "'demo', path or hub name.")
+    split: str = Setting("train", description="Split to load from hub datasets.")
+    text_field: str = Setting("text", description="Field holding the text in JSON/Parquet pretraining rows.")
+    on_bad_row: Literal["skip", "fail"] = Setting("skip", description="Skip bad rows (counted) or fail the stage.")
+    demo: DemoSection = Setting(default_factory=DemoSection, description="Demo data sizes.")
+
+
+class TokenizerSection(Section):
+    pretrained: str | None = Setting(None, description="Load this tokenizer (hub name or local dir) instead of "
+                                     "training one.")
+    vocab_size: int = Setting(512, ge=1, description="Vocabulary size of the trained byte-level BPE, special tokens "
+                              "included.")
+    min_frequency: int = Setting(2, ge=1, description="Minimum pair frequency for a BPE merge.")
+    special_tokens: list[str] = Setting(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"],
+                                        description="Special tokens: end-of-text, start and end of a chat turn, "
+                                        "padding (the last; end-of-text when there are three).")
+    val_fraction: float = Setting(0.05, gt=0, lt=1, description="Fraction of documents held out as the val shard.")
+    shard_tokens: int = Setting(50_000_000, ge=1000, description="Maximum tokens per shard file.")
+    num_workers: int = Setting(0, ge=0, same_result=True, description="Encoding worker processes; 0 means one per "
+                               "CPU core.")
+
+    @model_validator(mode="after")
+    def _vocab_holds_bytes(self):
+        need = 256 + len(self.special_tokens)
+        if self.pretrained is None and self.vocab_size < need:
+            raise ValueError(f"tokenizer.vocab_size={self.vocab_size} is smaller than the byte alphabet (256) "
+                             f"plus {len(self.special_tokens)} special tokens = {need}")
+        if self.pretrained is None and len(self.special_tokens) < 3:
+            raise ValueError("tokenizer.special_tokens needs at least end-of-text, turn start and turn end")
+        return self
+
+
+class ModelSection(Section):
+    preset: str = Setting("tiny", description="Architecture preset (gptforge/core/presets.py): tiny, llama-tiny, "
+                          "gpt2-124m ... gpt2-1.5b, gpt3-small ... gpt3-175b, llama-160m, llama-1b, llama-7b.")
+    n_layer: int | None = Setting(None, ge=1, description="Override the preset's number of layers.")
+    n_head: int | None = Setting(None, ge=1, description="Override the preset's attention heads.")
+    n_embd: int | None = Setting(None, ge=1, description="Override the preset's hidden size.")
+    n_positions: int | None = Setting(None, ge=1, description="Override the preset's context length.")
+    n_kv_head: int | None = Setting(None, ge=1, description="Override the key/value heads (Llama family).")
+    dropout: float = Setting(0.0, ge=0, lt=1, description="Dropout on embeddings, attention and residuals.")
+
+    def arch(self):
+        """The preset with this section's overrides applied (vocab size comes from the tokenizer)."""
+        return PRESETS[self.preset].with_overrides(
+            n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+            n_positions=self.n_positions, n_kv_head=self.n_kv_head)
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        a = self.arch()
+        if a.n_embd % a.n_head:
+            raise ValueError(f"n_embd={a.n_embd} is not divisible by n_head={a.n_head}")
+        if a.n_kv_head and a.n_head % a.n_kv_head:
+            raise ValueError(f"n_head={a.n_head} is not divisible by n_kv_head={a.n_kv_head}")
+        return self
+
+
+class DistributedSection(Section):
+    launcher: Literal["deepspeed", "torchrun", "accelerate"] = Setting("deepspeed", description="Process launcher.")
+    nproc_per_node: int = Setting(2, ge=1, description="Processes per node (GPUs per node, or CPU processes).")
+    nnodes: int = Setting(1, ge=1, description="Number of nodes.")
+    node_rank: int = Setting(0, ge=0, description="This node's rank (multi-node without a hostfile).")
+    master_addr: str = Setting("127.0.0.1", description="Address of the rank-0 node.")
+    master_port: int = Setting(29500, ge=1, le=65535, description="Rendezvous port on the rank-0 node.")
+    hostfile: str | None = Setting(None, description="DeepSpeed hostfile for multi-node runs.")
+    zero_stage: int = Setting(2, ge=0, le=3, description="ZeRO stage 0-3 (configs/deepspeed/zero<N>.json).")
+    offload_optimizer: bool = Setting(False, description="Offload optimizer state to CPU memory (ZeRO 1-3).")
+    activation_checkpointing: bool = Setting(False, description="Recompute activations in backward to save memory.")
+    precision: Literal["auto", "bf16", "fp32"] = Setting("auto", description="auto: bf16 on GPUs, fp32 on the CPU.")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self):
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class TrainSection(Section):
+    enabled: bool = Setting(True, same_result=True, description="Run this stage.")
+    lr: float = Setting(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Setting(1e-4, ge=0, description="Learning rate at the end of cosine decay.")
+    warmup_steps: int = Setting(20, ge=0, description="Linear warmup steps.")
+    max_steps: int = Setting(200, ge=1, description="Optimizer steps.")
+    micro_batch_size: int = Setting(16, ge=1, description="Sequences per process per forward pass.")
+    global_batch_size: int = Setting(32, ge=1, description="Sequences per optimizer step over all processes.")
+    weight_decay: float = Setting(0.1, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Setting(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    log_every: int = Setting(10, ge=1, same_result=True, description="Steps between log lines.")
+    eval_every: int = Setting(100, ge=1, same_result=True, description="Steps between evaluations.")
+    save_every: int = Setting(100, ge=1, same_result=True, description="Steps between step checkpoints.")
+    keep_last: int = Setting(2, ge=1, same_result=True, description="Step checkpoints kept.")
+
+
+class PretrainSection(TrainSection):
+    seq_len: int = Setting(96, ge=8, description="Training sequence length in tokens.")
+    eval_batches: int = Setting(8, ge=1, same_result=True, description="Val batches per evaluation.")
+    compile: bool = Setting(False, same_result=True, description="torch.compile the model (DeepSpeed engine.compile): "
+                            "a slower first step, faster ones after; needs a C++ compiler on the CPU.")
+
+
+class SFTSection(TrainSection):
+    lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    max_length: int = Setting(96, ge=8, description="Maximum tokens per conversation.")
+    assistant_only_loss: bool = Setting(True, description="Loss on assistant tokens only (else the full sequence).")
+    packing: bool = Setting(False, description="Pack several conversations into each sequence.")
+    on_too_long: Literal["skip", "truncate"] = Setting("skip", description="What to do with examples over max_length.")
+
+
+class RewardSection(TrainSection):
+    lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response.")
+    on_too_long: Literal["skip", "truncate"] = Setting("skip", description="What to do with pairs over max_length.")
+    margin: float = Setting(0.0, ge=0, description="Margin term of the pairwise loss.")
+    center_rewards_coefficient: float = Setting(0.0, ge=0, description="Weight of the reward-centering term.")
+    policy_samples: int = Setting(0, ge=0, description="Sample the SFT model on this many prompts and pair each wrong "
+                                  "answer, as rejected, with the known one (demo data only).")
+    sample_temperature: float = Setting(1.0, gt=0, description="Sampling temperature of policy_samples.")
+    sample_max_new_tokens: int = Setting(8, ge=1, description="Longest answer sampled for policy_samples, in tokens.")
+
+
+class DPOSection(Section):
+    loss_type: str | list[str] = Setting("sigmoid", description="TRL DPO loss (sigmoid, ipo, hinge, robust, ...), or a "
+                                         "list combined with equal weights ([sigmoid, sft] is RPO).")
+
+
+class OnlineSection(Section):
+    """What the online algorithms (ppo, grpo, rloo) share: rollouts, their reward, the supervised ptx term."""
+
+    max_new_tokens: int = Setting(8, ge=1, description="Response length of on-policy sampling, in tokens.")
+    temperature: float = Setting(1.0, gt=0, description="Sampling temperature of rollouts.")
+    top_k: int = Setting(0, ge=0, description="Top-k of rollouts (0 disables).")
+    top_p: float = Setting(1.0, gt=0, le=1, description="Top-p of rollouts.")
+    reward_model_weight: float = Setting(1.0, ge=0, description="Weight of the reward model's score in the reward.")
+    verifier_reward: bool = Setting(False, description="Add verifier_weight when the response is the demo item's "
+                                    "known answer (needs data.preference: demo).")
+    verifier_weight: float = Setting(1.0, ge=0, description="Weight of the verifier reward.")
+    ptx_coef: float = Setting(0.0, ge=0, description="Weight of the chosen responses' loss added at every update "
+                              "(InstructGPT's PPO-ptx); 0 disables.")
+    ptx_batch_size: int | None = Setting(None, ge=1, description="Rows of chosen responses in each update's ptx loss "
+                                         "over all processes; None: as many as the update's responses.")
+
+    def ptx_rows(self, micro_batch_size: int, world: int, micro_steps_per_update: int) -> int:
+        """Rows of chosen responses on each process in each micro-batch of the ptx loss, when a policy update
+        takes `micro_steps_per_update` micro-batches of `micro_batch_size` on each process."""
+        per_update = self.ptx_batch_size or micro_batch_size * world * micro_steps_per_update
+        return per_update // (world * micro_steps_per_update)
+
+
+class PPOSection(OnlineSection):
+    ppo_epochs: int = Setting(2, ge=1, description="Passes over each rollout batch.")
+    gamma: float = Setting(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Setting(0.95, ge=0, le=1, description="GAE lambda.")
+    cliprange: float = Setting(0.2, gt=0, description="Policy ratio clip.")
+    cliprange_value: float = Setting(0.2, gt=0, description="Value clip.")
+    critic_lr: float = Setting(1e-4, gt=0, description="Critic learning rate.")
+    kl_target: float | None = Setting(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
+    kl_horizon: int = Setting(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
+    max_bad_steps: int = Setting(3, ge=0, description="Steps with a NaN/Inf reward or loss skipped before failing.")
+
+
+class GRPOSection(OnlineSection):
+    num_generations: int = Setting(4, ge=2, description="Completions per prompt.")
+    scale_rewards: Literal["group", "batch", "none"] = Setting(
+        "group", description="Divide rewards less their group mean by the group's std, the batch's, or nothing "
+        "(none, as Dr. GRPO).")
+
+
+class RLOOSection(OnlineSection):
+    num_generations: int = Setting(4, ge=2, description="Completions per prompt.")
+
+
+class PreferenceSection(TrainSection):
+    """What every preference algorithm shares; each algorithm's own fields are in its sub-section."""
+
+    algorithm: Algorithm | list[Algorithm] = Setting("dpo", same_result=True,
+                                                     description="Alignment algorithm(s); each runs as its own stage.")
+    lr: float = Setting(5e-5, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Setting(0.0, ge=0, description="Learning rate at the end of cosine decay.")
+    beta: float = Setting(0.1, gt=0, description="KL strength (DPO beta, the initial KL coefficient of the others).")
+    max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response.")
+    dpo: DPOSection = Setting(default_factory=DPOSection, description="DPO's own settings.")
+    ppo: PPOSection = Setting(default_factory=PPOSection, description="PPO's own settings.")
+    grpo: GRPOSection = Setting(default_factory=GRPOSection, description="GRPO's own settings.")
+    rloo: RLOOSection = Setting(default_factory=RLOOSection, description="RLOO's own settings.")
+
+    def algorithms(self) -> list[str]:
+        return [self.algorithm] if isinstance(self.algorithm, str) else list(self.algorithm)
+
+
+class EvalSection(Section):
+    max_new_tokens: int = Setting(8, ge=1, description="Tokens generated per held-out item.")
+    items: int = Setting(200, ge=1, description="Held-out items evaluated.")
+
+
+class PipelineConfig(Section):
+    run: RunSection = Setting(default_factory=RunSection, description="Run name, root, seed, retries, schedule.")
+    data: DataSection = Setting(default_factory=DataSection, description="Where each stage's rows come from.")
+    tokenizer: TokenizerSection = Setting(default_factory=TokenizerSection, description="BPE training and shards.")
+    model: ModelSection = Setting(default_factory=ModelSection, description="Architecture.")
+    distributed: DistributedSection = Setting(default_factory=DistributedSection,
+                                              description="Launcher, processes, nodes, ZeRO.")
+    pretrain: PretrainSection = Setting(default_factory=PretrainSection, description="Pretraining.")
+    sft: SFTSection = Setting(default_factory=SFTSection, description="Supervised fine-tuning.")
+    reward: RewardSection = Setting(default_factory=RewardSection, description="Reward model.")
+    preference: PreferenceSection = Setting(default_factory=PreferenceSection, description="Alignment.")
+    eval: EvalSection = Setting(default_factory=EvalSection, description="Held-out evaluation of finished outputs.")
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        world = self.distributed.world_size
+        for name in ("pretrain", "sft", "reward", "preference"):
+            s = getattr(self, name)
+            per_step = s.micro_batch_size * world
+            if s.enabled and s.global_batch_size % per_step:
+                raise ValueError(f"{name}.global_batch_size={s.global_batch_size} is not divisible by "
+                                 f"micro_batch_size*world_size = {s.micro_batch_size}*{world}")
+        chain = [("pretrain", self.pretrain), ("sft", self.sft), ("reward", self.reward),
+                 ("preference", self.preference)]
+        for (up, up_s), (down, down_s) in zip(chain, chain[1:]):
+            if down_s.enabled and not up_s.enabled:
+                raise ValueError(f"{down}.enabled is true but its input stage {up} is disabled ({up}.enabled=false)")
+        pc = self.preference
+        online = [a for a in pc.algorithms() if a != "dpo"] if pc.enabled else []
+        micro_steps = pc.global_batch_size // pc.micro_batch_size  # micro-batches of one TRL step, all processes
+        for algo in online:
+            oc = getattr(pc, algo)
+            if oc.ptx_coef and oc.ptx_batch_size and oc.ptx_batch_size % micro_steps:
+                raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
+                                 f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "
+                                 "update over all processes")
+            if oc.verifier_reward and self.data.preference != "demo":
+                raise ValueError(f"preference.{algo}.verifier_reward needs data.preference: demo (the verifier knows "
+                                 f"the demo's answers), not {self.data.preference!r}; set it to false")
+        if self.reward.enabled and self.reward.policy_samples and self.data.preference != "demo":
+            raise ValueError(f"reward.policy_samples needs data.preference: demo (the verifier knows the demo's "
+                             f"answers), not {self.data.preference!r}; set it to 0")
+        if self.pretrain.seq_len > self.model.arch().n_positions:
+            raise ValueError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds the model context "
+                             f"n_positions={self.model.arch().n_positions}")
+        return self
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def _unshared(node):
+    """A copy in which no two places share one dict or list: a YAML alias (`rloo: *online`) becomes a copy of its
+    anchor, so that overriding one place never changes another."""
+    if isinstance(node, dict):
+        return {k: _unshared(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unshared(v) for v in node]
+    return node
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'pretrain.lr=3e-4' -> ('pretrain.lr', 0.0003); the value is read as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = PipelineConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        key = ".".join(loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            valid = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {'.'.join(loc[:-1] + (close[0],))}?" if close else ""
+            lines.append(f"unknown key {key}{hint}")
+        elif e["type"] == "value_error":
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            lines.append(f"{key}: {msg}" if loc else msg)
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return f"invalid config {source}: " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> PipelineConfig:
+    """Load a pipeline YAML (or a dict), apply `section.key=value` overrides, validate. Raises ConfigError."""
+    source = str(path) if path else "(defaults)"
+    tree: dict = {}
+    if data is not None:
+        tree = dict(data)
+    elif path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    tree = _unshared(tree)
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, source)) from None
+
+
+def dump_config(cfg: PipelineConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def pipeline_stages(cfg: PipelineConfig) -> list[str]:
+    """Stage names in order, the preference stage named after each algorithm; disabled stages left out."""
+    names = ["tokenize"]
+    for name in ("pretrain", "sft", "reward"):
+        if getattr(cfg, name).enabled:
+            names.append(name)
+    if cfg.preference.enabled:
+        names.extend(cfg.preference.algorithms())
+    return names

@@ -1,0 +1,63 @@
+"""Joining the process group that a launcher (deepspeed, torchrun, accelerate) set up, and the few collectives
+the stages need for their metrics."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group the launcher set up (or make a group of one): (rank, world, device).
+    On a machine without a GPU, DeepSpeed's CPU accelerator and gloo; cores shared among local ranks."""
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
+    if "RANK" not in os.environ:  # no launcher: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    import deepspeed
+
+    if not cuda:
+        # DeepSpeed's shared-memory all-reduce op serves its inference all-reduce only. Its JIT build
+        # (once per machine) holds a file lock that a run killed meanwhile leaves behind, and every later
+        # run then waits on it forever. Training does not use it: gloo does the reductions.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    else:  # each local rank gets its own share of the cores, pinned: no oversubscription, no migration
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        cpus = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cpus) // local_world)
+        if len(cpus) >= local_world:
+            os.sched_setaffinity(0, cpus[local_rank * share:(local_rank + 1) * share])
+        torch.set_num_threads(share)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def barrier() -> None:
+    torch.distributed.barrier()
+
+
+def all_mean(value: float, device: torch.device) -> float:
+    """The mean of a number over all ranks."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.item() / torch.distributed.get_world_size()
+
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sums of numbers over all ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()

@@ -1,0 +1,169 @@
+"""One vocabulary of metrics for every stage, ours and the TRL ones: the same name, the same meaning, in the
+JSONL log, TensorBoard, the manifest and the report (DESIGN.md). `MetricsLog` refuses a name that is not in
+`NAMES`; `from_trainer` translates what TRL's trainers log into these names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# name -> what it means (units where it has them)
+NAMES = {
+    # training steps
+    "loss": "training loss of the step, mean over its micro-batches and processes",
+    "lr": "learning rate of the step",
+    "grad_norm": "global gradient norm before clipping",
+    "tokens_per_sec": "training stages: tokens of the training batches (padding excluded, all processes) per second "
+                      "spent in training steps, leaving out evaluation, checkpoints and the first 5 steps of each "
+                      "start; tokenize: tokens encoded and written per second",
+    "mfu": "model FLOPs utilisation: achieved over peak dense bf16 FLOP/s (null where the peak is unknown)",
+    "train_loss": "the last logged training loss",
+    "global_step": "optimizer steps taken",
+    "val_loss": "mean next-token loss on held-out data (nats/token)",
+    "val_ppl": "exp(val_loss)",
+    "base_val_loss": "val_loss of the stage's input model, before training",
+    "unigram_entropy": "entropy of the training tokens' frequencies (nats/token): the loss of a context-blind model",
+    "parameters": "model parameters (tied weights counted once)",
+    "flops_per_token": "training FLOPs per token (6N plus attention)",
+    # preference pairs
+    "reward_accuracy": "share of held-out pairs whose chosen response the reward model scores higher",
+    "reward_margin": "mean reward of chosen minus rejected, held-out pairs",
+    "train_reward_accuracy": "share of the step's training pairs ranked chosen over rejected (reward model or DPO's "
+                             "implicit reward)",
+    "train_reward_margin": "mean reward of chosen minus rejected in the step's training pairs",
+    "chosen_rewards": "mean reward of the step's chosen responses (reward model or DPO's implicit reward)",
+    "rejected_rewards": "mean reward of the step's rejected responses",
+    "chosen_logps": "mean log-probability of the step's chosen responses under the policy (nats)",
+    "rejected_logps": "mean log-probability of the step's rejected responses under the policy (nats)",
+    "token_accuracy": "share of the step's chosen-response tokens the policy predicts (argmax)",
+    # online algorithms
+    "reward_mean": "mean reward of the policy's responses",
+    "reward_std": "standard deviation of the rewards of the policy's responses",
+    "reward_model_score": "mean reward model score of the step's responses, before weighing",
+    "verifier_reward": "share of the step's responses that are the demo item's known answer",
+    "frac_reward_zero_std": "share of prompt groups whose responses all got the same reward",
+    "kl": "KL(policy || reference) in nats per response",
+    "kl_per_token": "KL(policy || reference) in nats per response token",
+    "kl_coef": "KL penalty coefficient",
+    "entropy": "mean entropy of the policy's next-token distribution over response tokens (nats)",
+    "response_length": "mean response length in tokens",
+    "policy_loss": "PPO clipped surrogate loss",
+    "value_loss": "PPO clipped value loss",
+    "clip_frac": "share of response tokens where the clipped policy ratio was taken",
+    "ptx_loss": "loss of the preference pairs' chosen responses (PPO-ptx)",
+    "gen_tokens_per_sec": "response tokens sampled per second (all processes)",
+    "bad_steps": "steps skipped for a NaN/Inf reward or loss",
+    # held-out evaluation of a finished output
+    "exact_match": "share of held-out items whose greedy answer is the known answer",
+    "base_exact_match": "exact_match of the stage's input model in the same prompt format",
+    "sft_exact_match": "exact_match of the SFT model",
+    "win_rate_vs_sft": "share of held-out prompts where the reward model prefers the policy's answer to the SFT "
+                       "model's (ties count half)",
+    "eval_items": "held-out items evaluated",
+    # data
+    "vocab_size": "tokens in the vocabulary, special tokens included",
+    "tokens": "tokens written to the shards",
+    "train_tokens": "tokens in the train shards",
+    "val_tokens": "tokens in the val shards",
+    "bytes": "UTF-8 bytes of the documents encoded",
+    "documents": "documents encoded",
+    "tokenizer_sha256": "sha256 of tokenizer.json",
+    "bad_rows": "rows skipped as malformed (each named by file and line in the log)",
+    "skipped_no_assistant_turn": "conversations skipped for having no assistant turn",
+    "skipped_too_long": "examples skipped for exceeding max_length",
+    "skipped_identical": "preference pairs skipped for identical responses",
+    "truncated": "examples truncated to max_length",
+    "policy_samples": "answers sampled from the SFT model for the reward model's extra pairs",
+    "policy_pairs": "pairs added from the SFT model's wrong answers",
+}
+
+# What TRL's trainers log, in our names; their other keys are left out.
+TRL_NAMES = {
+    "loss": "loss", "learning_rate": "lr", "grad_norm": "grad_norm", "ptx_loss": "ptx_loss", "entropy": "entropy",
+    "rewards/chosen": "chosen_rewards", "rewards/rejected": "rejected_rewards",
+    "rewards/margins": "train_reward_margin", "rewards/accuracies": "train_reward_accuracy",
+    "logps/chosen": "chosen_logps", "logps/rejected": "rejected_logps", "mean_token_accuracy": "token_accuracy",
+    "reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zero_std": "frac_reward_zero_std",
+    "kl": "kl_per_token", "completions/mean_length": "response_length", "clip_ratio/region_mean": "clip_frac",
+    "rewards/verifier/mean": "verifier_reward", "rewards/model/mean": "reward_model_score",
+}
+WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilation, allocator warm-up)
+
+
+def check_names(metrics: dict) -> None:
+    unknown = sorted(set(metrics) - set(NAMES))
+    if unknown:
+        raise ValueError(f"metric names outside the vocabulary (gptforge.model.metrics.NAMES): {unknown}")
+
+
+def from_trainer(logs: dict) -> dict:
+    """A TRL log record in our names: TRL's per-token KL also as `kl` per response (its mean over completion
+    tokens times their mean length)."""
+    out = {TRL_NAMES[k]: v for k, v in logs.items() if k in TRL_NAMES}
+    if "kl_per_token" in out and "response_length" in out:
+        out["kl"] = out["kl_per_token"] * out["response_length"]
+    return out
+
+
+class MetricsLog:
+    """Rank 0 writes each record as a JSONL line and TensorBoard scalars (`logs/metrics.jsonl`, `logs/tb`),
+    tagged by the metric's name alone, so that the curves of every stage line up. A resumed run first drops
+    what a killed run logged after the checkpoint it resumes from."""
+
+    def __init__(self, log_dir: Path, rank: int, resume_step: int = 0):
+        self.rank = rank
+        if rank != 0:
+            return
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / "metrics.jsonl"
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(log_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, step: int, **metrics) -> None:
+        check_names(metrics)
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.tb.close()
+
+
+class Throughput:
+    """`tokens_per_sec` as every stage counts it (see NAMES). `step(seconds, tokens)` after each training step
+    with this process's tokens; `reduce` sums a count over processes (identity where counts are global already).
+    Every process must call `window_rate` and `rate` together: they reduce."""
+
+    def __init__(self, reduce=lambda tokens: tokens, warmup: int = WARMUP_STEPS):
+        self.reduce, self.warmup, self.steps = reduce, warmup, 0
+        self._window = [0.0, 0]  # seconds, tokens since the last window_rate
+        self._total = [0.0, 0]
+
+    def step(self, seconds: float, tokens: int) -> None:
+        self.steps += 1
+        if self.steps > self.warmup:
+            for acc in (self._window, self._total):
+                acc[0] += seconds
+                acc[1] += tokens
+
+    def window_rate(self) -> float | None:
+        """tokens_per_sec since the last call (None while only warm-up steps were taken)."""
+        (seconds, tokens), self._window = self._window, [0.0, 0]
+        tokens = self.reduce(tokens)
+        return tokens / seconds if seconds else None
+
+    def rate(self) -> float | None:
+        """tokens_per_sec over every timed step of this start."""
+        tokens = self.reduce(self._total[1])
+        return round(tokens / self._total[0], 1) if self._total[0] else None

@@ -1,0 +1,72 @@
+"""The command line of every stage module: run the stage into a given output folder on given inputs.
+
+    python -m gptforge.stages.sft --config CONFIG --out DIR --input pretrain=DIR [--set key=value ...]
+
+A stage knows nothing of the stage store: the pipeline (or `gptforge stage`) decides where its output goes
+and which inputs it reads, and records it as complete once every process has exited cleanly. When the
+stage has finished, rank 0 writes `result.json` (its final metrics) into the output folder, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from gptforge.core.config import PipelineConfig, load_config
+from gptforge.core.errors import UserError
+from gptforge.core.files import write_json_atomic
+from gptforge.model.metrics import check_names
+
+RESULT = "result.json"
+RunFn = Callable[[PipelineConfig, dict[str, Path], Path], dict]
+
+
+def stage_args(config_path: Path, out_dir: Path, inputs: dict[str, Path]) -> list[str]:
+    """The arguments that run a stage into `out_dir` on `inputs` ({input stage: its output folder})."""
+    args = ["--config", str(config_path), "--out", str(out_dir)]
+    for name, path in inputs.items():
+        args += ["--input", f"{name}={path}"]
+    return args
+
+
+def run_stage(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
+    """Run a stage in this process (one rank of it under a launcher); rank 0 writes result.json last."""
+    rank = int(os.environ.get("RANK", "0"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (out_dir / RESULT).unlink(missing_ok=True)  # a stale result never describes this run
+    metrics = run(cfg, inputs, out_dir)
+    check_names(metrics)
+    result = {"metrics": metrics, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    if rank == 0:
+        write_json_atomic(out_dir / RESULT, result)
+    return result
+
+
+def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m gptforge.stages.{stage}")
+    parser.add_argument("--config", "-c", required=True, help="pipeline YAML")
+    parser.add_argument("--out", required=True, type=Path, help="output folder (resumes from its checkpoints)")
+    parser.add_argument("--input", action="append", default=[], metavar="STAGE=DIR",
+                        help="an input stage's output folder")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    # Launchers may append --local_rank; the rank is read from the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        inputs = dict(_input(item) for item in args.input)
+        run_stage(run, load_config(args.config, args.set), inputs, args.out)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    return 0
+
+
+def _input(item: str) -> tuple[str, Path]:
+    name, sep, path = item.partition("=")
+    if not sep:
+        raise UserError(f"--input {item!r}: expected STAGE=DIR")
+    return name, Path(path)

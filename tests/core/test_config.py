@@ -1,0 +1,98 @@
+import pytest
+from pydantic import BaseModel
+
+from gptforge.core.config import PipelineConfig, Section, load_config, result_fields
+from gptforge.core.errors import ConfigError
+from tests.conftest import ROOT, TINY
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_yaml_loads(path):
+    cfg = load_config(path)
+    assert cfg.run.name
+
+
+def test_overrides_are_typed():
+    cfg = load_config(TINY, ["pretrain.lr=3e-4", "model.n_layer=2", "data.on_bad_row=fail"])
+    assert cfg.pretrain.lr == pytest.approx(3e-4)
+    assert cfg.model.arch().n_layer == 2
+    assert cfg.data.on_bad_row == "fail"
+
+
+def test_unknown_key_names_the_closest_valid_key():
+    with pytest.raises(ConfigError, match=r"unknown key pretrain\.lrr; did you mean pretrain\.lr\?"):
+        load_config(TINY, ["pretrain.lrr=1"])
+    with pytest.raises(ConfigError, match=r"unknown key tokenizr; did you mean tokenizer\?"):
+        load_config(TINY, ["tokenizr.vocab_size=1"])
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"pretrain\.max_steps"):
+        load_config(TINY, ["pretrain.max_steps=lots"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.n_embd=100", "model.n_head=3"], r"model: n_embd=100 is not divisible by n_head=3"),
+    (["pretrain.global_batch_size=30"], r"global_batch_size=30 is not divisible"),
+    (["pretrain.enabled=false"], r"sft.enabled is true but its input stage pretrain is disabled"),
+    (["tokenizer.vocab_size=100"], r"vocab_size=100 is smaller than the byte alphabet"),
+    (["pretrain.seq_len=4096"], r"exceeds the model context"),
+    (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
+    (["data.preference=pairs.jsonl", "preference.algorithm=[dpo,ppo]", "preference.ppo.verifier_reward=true"],
+     r"preference.ppo.verifier_reward needs data.preference: demo"),
+    (["data.preference=pairs.jsonl", "reward.policy_samples=100"],
+     r"reward.policy_samples needs data.preference: demo"),
+    (["preference.algorithm=grpo", "preference.global_batch_size=64", "preference.grpo.ptx_batch_size=6"],
+     r"preference.grpo.ptx_batch_size=6 is not divisible by global_batch_size/micro_batch_size = 4"),
+    (["preference.dpo.los_type=ipo"], r"unknown key preference.dpo.los_type; did you mean preference.dpo.loss_type\?"),
+])
+def test_impossible_combinations(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_the_verifier_is_ignored_where_no_online_algorithm_runs():
+    cfg = load_config(TINY, ["data.preference=pairs.jsonl", "preference.algorithm=dpo",
+                             "preference.ppo.verifier_reward=true", "reward.policy_samples=0"])
+    assert cfg.preference.ppo.verifier_reward
+
+
+def test_each_algorithm_reads_its_own_section():
+    cfg = load_config(TINY, ["preference.ppo.ptx_coef=0.5", "preference.grpo.num_generations=8"])
+    assert (cfg.preference.ppo.ptx_coef, cfg.preference.grpo.ptx_coef, cfg.preference.rloo.ptx_coef) == (0.5, 1.0, 1.0)
+    assert (cfg.preference.grpo.num_generations, cfg.preference.rloo.num_generations) == (8, 4)
+    assert cfg.preference.grpo.scale_rewards == "none" and cfg.preference.dpo.loss_type == ["sigmoid", "sft"]
+
+
+def test_ptx_rows_per_micro_batch():
+    """The ptx rows of an update spread over processes and micro-batches; by default one per response."""
+    oc = load_config(TINY).preference.grpo.model_copy(update={"ptx_batch_size": None})
+    assert oc.ptx_rows(8, world=2, micro_steps_per_update=4) == 8  # TRL: 64 completions a step, 8 per micro-batch
+    assert oc.ptx_rows(8, world=2, micro_steps_per_update=1) == 8  # PPO: an update is one minibatch of 8 a process
+    oc = oc.model_copy(update={"ptx_batch_size": 256})
+    assert oc.ptx_rows(8, world=2, micro_steps_per_update=4) == 32
+    assert oc.ptx_rows(8, world=2, micro_steps_per_update=1) == 128
+
+
+def sections(model: type[BaseModel], prefix=""):
+    for name, field in model.model_fields.items():
+        yield f"{prefix}{name}", field
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            yield from sections(field.annotation, f"{prefix}{name}.")
+
+
+def test_every_field_has_a_one_line_help():
+    long = {key: field.description for key, field in sections(PipelineConfig)
+            if not field.description or "\n" in field.description or len(field.description) > 160}
+    assert not long
+
+
+def test_result_fields_leave_out_cadence_and_nest():
+    cfg = load_config(TINY)
+    pretrain = result_fields(cfg.pretrain)
+    assert "lr" in pretrain and "seq_len" in pretrain
+    cadence = {"log_every", "eval_every", "save_every", "keep_last", "compile", "eval_batches", "enabled"}
+    assert not cadence & set(pretrain)
+    shared = result_fields(cfg.preference, leave_out=("dpo", "ppo", "grpo", "rloo"))
+    assert "beta" in shared and not {"algorithm", "dpo", "ppo"} & set(shared)
+    assert result_fields(cfg.preference)["ppo"]["ptx_coef"] == 1.0

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from gptforge.core.config import load_config
+from gptforge.model.engine import lr_schedule
+from tests.conftest import TINY
+
+
+def lrs(lr: float, min_lr: float, warmup: int, steps: int) -> list[float]:
+    train = load_config(TINY, [f"pretrain.lr={lr}", f"pretrain.min_lr={min_lr}", f"pretrain.warmup_steps={warmup}",
+                               f"pretrain.max_steps={steps}"]).pretrain
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = lr_schedule(opt, train)
+    out = []
+    for _ in range(steps + 1):
+        out.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_then_cosine_to_min_lr_by_hand():
+    # warmup 2: 0, 1/2; then cos over 4 steps from 1 to 0.1: progress 0, 1/4, 1/2, 3/4, 1
+    c = [0.5 * (1 + __import__("math").cos(__import__("math").pi * p)) for p in (0, 0.25, 0.5, 0.75, 1)]
+    assert lrs(1.0, 0.1, 2, 6) == pytest.approx([0.0, 0.5] + [0.1 + 0.9 * x for x in c])
+
+
+def test_never_decays_upwards():
+    assert lrs(1.0, 2.0, 0, 4) == pytest.approx([1.0] * 5)

@@ -1,0 +1,61 @@
+"""DPO with TRL under ZeRO-2 on 2 processes: the policy moves toward the chosen responses, its logs are in our
+metric names, and a resumed run's log has each step once."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from gptforge.data import loaders
+from gptforge.model.evaluate import response_logprobs
+from gptforge.model.metrics import NAMES
+from gptforge.pipeline.store import locate
+from tests.conftest import DPO
+from tests.helpers import changed_from_sft, logged_names, prepared, run_stage
+
+pytestmark = pytest.mark.slow
+
+
+def implicit_margin(policy_dir, sft_dir, pairs) -> float:
+    """Mean over pairs of DPO's implicit reward margin, [log pi(c) - log ref(c)] - [log pi(r) - log ref(r)]."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    prompts = [p["prompt"] for p in pairs]
+    answer = {k: [tok(p[k] + "<|im_end|>\n", add_special_tokens=False)["input_ids"] for p in pairs]
+              for k in ("chosen", "rejected")}
+    logp = {(d, k): torch.tensor(response_logprobs(AutoModelForCausalLM.from_pretrained(d), tok, prompts, answer[k]))
+            for d in (policy_dir, sft_dir) for k in answer}
+    chosen = logp[policy_dir, "chosen"] - logp[sft_dir, "chosen"]
+    margin = chosen - (logp[policy_dir, "rejected"] - logp[sft_dir, "rejected"])
+    return margin.mean().item()
+
+
+def test_dpo_raises_the_chosen_over_the_rejected(chain, dpo):
+    manifest, out_dir, _, cfg, _ = dpo
+    assert manifest["metrics"]["global_step"] == 6 and manifest["world_size"] == 2
+    assert changed_from_sft(chain, out_dir)
+    pairs = loaders.preference_pairs(cfg.data).train[:48]
+    assert implicit_margin(out_dir / "model", chain["sft"][1] / "model", pairs) > 0.05
+    names = logged_names(out_dir)
+    assert {"loss", "lr", "grad_norm", "train_reward_margin", "chosen_rewards"} <= names <= set(NAMES)
+    assert not (out_dir / "model" / "training_args.bin").exists()  # no pickle in the model directory
+
+
+def test_a_resumed_dpo_logs_each_step_once(chain, dpo, tmp_path):
+    """A DPO killed after logging its last steps, before its export: the rerun resumes from the newest Trainer
+    checkpoint (step 4; none is kept at the last step) and its log holds each step once."""
+    cfg, path = prepared(chain, tmp_path, *DPO)
+    killed = locate(cfg, "dpo")[0]
+    assert killed.name == dpo[1].name  # the same fingerprint in another root
+    shutil.copytree(dpo[1], killed, ignore=shutil.ignore_patterns("manifest.json", "result.json", "model"))
+    assert sorted(p.name for p in (killed / "checkpoints").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert [r["step"] for r in rows(killed) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    _, out_dir, out = run_stage(cfg, path, "dpo")
+    assert "[dpo] resumed from" in out and "checkpoint-4" in out
+    assert [r["step"] for r in rows(out_dir) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def rows(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]

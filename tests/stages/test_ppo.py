@@ -1,0 +1,93 @@
+"""Our PPO on 2 processes (ZeRO-2) on the tiny SFT policy and reward model: it trains and logs, resumes exactly
+after SIGKILL, skips NaN rewards and then fails keeping the last checkpoint, and can be rewarded by the verifier."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptforge.core.files import sha256_file
+from gptforge.model.checkpoints import newest_valid_checkpoint
+from gptforge.model.metrics import NAMES
+from gptforge.pipeline.store import locate
+from tests.helpers import changed_from_sft, kill_after_checkpoint, launch, logged, logged_names, prepared, run_stage
+
+pytestmark = pytest.mark.slow
+PPO = ["preference.algorithm=ppo", "distributed.zero_stage=2", "preference.max_steps=6",
+       "preference.save_every=2", "preference.global_batch_size=8", "preference.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def ppo(chain, tmp_path_factory):
+    cfg, path = prepared(chain, tmp_path_factory.mktemp("ppo"), *PPO)
+    return run_stage(cfg, path, "ppo")
+
+
+def test_ppo_trains_and_logs(chain, ppo):
+    manifest, out_dir, _ = ppo
+    m = manifest["metrics"]
+    assert m["global_step"] == 6 and m["bad_steps"] == 0
+    rows = [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("reward_mean", "reward_std", "kl", "kl_per_token", "policy_loss", "value_loss", "clip_frac", "entropy",
+                "response_length", "gen_tokens_per_sec", "ptx_loss", "lr", "grad_norm"):  # tiny.yaml: ptx_coef > 0
+        assert all(key in r for r in rows), key
+    assert logged_names(out_dir) <= set(NAMES)
+    assert changed_from_sft(chain, out_dir)
+
+
+def test_ppo_sigkill_then_rerun_matches_uninterrupted(chain, ppo, tmp_path):
+    cfg, path = prepared(chain, tmp_path, *PPO)
+    kill_after_checkpoint(cfg, path, "ppo", step=4)
+    manifest, out_dir, out = run_stage(cfg, path, "ppo")
+    assert "[ppo] resumed from" in out
+    for key, value in manifest["metrics"].items():
+        if key != "tokens_per_sec":
+            assert value == pytest.approx(ppo[0]["metrics"][key], abs=1e-6), key
+    assert logged(out_dir, "reward_mean") == pytest.approx(logged(ppo[1], "reward_mean"), abs=1e-6)
+
+
+def test_ppo_nan_rewards_are_skipped_then_fail_keeping_the_last_checkpoint(chain, tmp_path):
+    cfg, path = prepared(chain, tmp_path, *PPO, "preference.save_every=1", "preference.ppo.max_bad_steps=2")
+    reward_dir = locate(cfg, "reward")[0]
+    weights = reward_dir / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["score.weight"] = torch.full_like(tensors["score.weight"], float("nan"))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    manifest = json.loads((reward_dir / "manifest.json").read_text())  # a complete output that scores NaN
+    manifest["files"]["model/model.safetensors"] = sha256_file(weights)
+    (reward_dir / "manifest.json").write_text(json.dumps(manifest))
+
+    proc = launch(cfg, path, "ppo")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode != 0
+    assert "NaN/Inf in reward or loss, step skipped (1 so far)" in out
+    assert "3 steps with NaN/Inf rewards or losses (preference.ppo.max_bad_steps=2)" in out
+    out_dir = locate(cfg, "ppo")[0]
+    assert newest_valid_checkpoint(out_dir / "checkpoints", rank=0) == out_dir / "checkpoints" / "step-00000002"
+    assert not (out_dir / "manifest.json").exists() and not (out_dir / "result.json").exists()
+
+
+def test_ppo_rewarded_by_the_verifier_alone(chain, tmp_path):
+    """With the reward model weighed 0, a PPO reward is the verifier's: 1 for the item's answer, else 0, so a
+    step's mean over 8 responses is a multiple of 1/8 (the verifier itself: tests/model/test_evaluate.py)."""
+    cfg, path = prepared(chain, tmp_path, *PPO, "preference.max_steps=3", "preference.save_every=10",
+                         "preference.ppo.verifier_reward=true", "preference.ppo.reward_model_weight=0")
+    _, out_dir, _ = run_stage(cfg, path, "ppo")
+    means = logged(out_dir, "reward_mean")
+    assert len(means) == 3 and means == pytest.approx(logged(out_dir, "verifier_reward"))
+    assert all(abs(8 * m - round(8 * m)) < 1e-6 for m in means), means
+
+
+def test_ppo_critic_starts_as_the_weighed_reward_model(chain):
+    from transformers import AutoModelForSequenceClassification
+
+    from gptforge.stages.ppo import build_critic
+
+    reward_dir = chain["reward"][1] / "model"
+    critic = build_critic(reward_dir, 0.1).train()  # in train mode, as PPO reads the old values
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir).eval()
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    values = critic(input_ids=x).logits[0, :, 0]
+    assert values[-1].item() == pytest.approx(0.1 * reward_model(input_ids=x).logits[0, 0].item(), abs=1e-5)
+    assert torch.equal(values, critic(input_ids=x).logits[0, :, 0])  # no dropout

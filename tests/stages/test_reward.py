@@ -1,0 +1,77 @@
+"""Real 2-process reward-model training (ZeRO-3) on the tiny SFT model: better than chance on held-out pairs,
+exported as a sequence classifier that loads without gptforge, exact resume after SIGKILL, every pair format."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import config, copy_store, kill_after_checkpoint, logged, run_stage
+
+pytestmark = pytest.mark.slow
+ZEROS = ["distributed.zero_stage=3"]
+
+
+def test_reward_model_exports_a_sequence_classifier(chain, tmp_path):
+    manifest, out_dir, _ = chain["reward"]
+    m = manifest["metrics"]
+    # FAST samples 48 answers from the SFT model; the wrong ones became pairs with the known answer.
+    assert m["policy_samples"] == 48 and 0 < m["policy_pairs"] <= 48
+    assert logged(out_dir, "loss")[-1] < logged(out_dir, "loss")[0]
+    script = ("import sys, torch; from transformers import AutoModelForSequenceClassification, AutoTokenizer;"
+              f"d={str(out_dir / 'model')!r}; m=AutoModelForSequenceClassification.from_pretrained(d);"
+              "t=AutoTokenizer.from_pretrained(d);"
+              "x=t(['What is 2 plus 3? 5', 'hi'], return_tensors='pt', padding=True);"
+              "s=m(**x).logits; assert s.shape == (2, 1); assert 'gptforge' not in sys.modules; print(s.tolist())")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_sigkill_then_rerun_matches_uninterrupted(chain, tmp_path):
+    cfg, path = config(tmp_path, *ZEROS)
+    copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
+    kill_after_checkpoint(cfg, path, "reward", step=10)
+    manifest, out_dir, out = run_stage(cfg, path, "reward")
+    assert "[reward] resumed from" in out
+    want = chain["reward"][0]["metrics"]
+    for key, value in manifest["metrics"].items():
+        if key != "tokens_per_sec":
+            assert value == pytest.approx(want[key], abs=1e-6), key
+    assert logged(out_dir, "loss") == pytest.approx(logged(chain["reward"][1], "loss"), abs=1e-6)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_reward_model_learns_a_preference_it_can_see(chain, tmp_path):
+    """Pairs whose rejected response is always a refusal: held out (every 20th row), the trained reward model
+    must rank them as the data does. (The demo's held-out pairs need more training than a test affords.)"""
+    pairs = tmp_path / "pairs.jsonl"
+    write_jsonl(pairs, [{"prompt": f"What is {i} plus {j}?", "chosen": str(i + j), "rejected": "I do not know."}
+                        for i in range(12) for j in range(10)])
+    cfg, path = config(tmp_path, *ZEROS, f"data.preference={pairs}", "reward.policy_samples=0")
+    copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
+    m = run_stage(cfg, path, "reward")[0]["metrics"]
+    assert m["reward_accuracy"] >= 0.8 and m["reward_margin"] > 0.5, m  # 6 held-out pairs; chance is 0.5 and 0
+
+
+def test_every_preference_format_through_reward(chain, tmp_path):
+    data = tmp_path / "pairs"
+    data.mkdir()
+    q = [(f"What is {i} plus 2?", str(i + 2), str(i + 3)) for i in range(20)]
+    write_jsonl(data / "flat.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in q[:8]]
+                + [{"prompt": "same", "chosen": "x", "rejected": "x"}])
+    def turns(p, a):
+        return [{"role": "user", "content": p}, {"role": "assistant", "content": a}]
+
+    write_jsonl(data / "ultra.jsonl", [{"chosen": turns(p, c), "rejected": turns(p, r)} for p, c, r in q[8:14]])
+    write_jsonl(data / "hh.jsonl", [{"chosen": f"\n\nHuman: {p}\n\nAssistant: {c}",
+                                     "rejected": f"\n\nHuman: {p}\n\nAssistant: {r}"} for p, c, r in q[14:]])
+    cfg, path = config(tmp_path, *ZEROS, f"data.preference={data}", "reward.max_steps=4", "reward.save_every=100",
+                       "reward.policy_samples=0")  # (the demo verifier labels policy samples)
+    copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
+    manifest, _, _ = run_stage(cfg, path, "reward")
+    m = manifest["metrics"]
+    assert m["skipped_identical"] == 1 and m["global_step"] == 4
