@@ -25,7 +25,7 @@ import torch
 
 from gptforge.core.config import load_config
 from gptforge.data.loader import TokenWindows
-from gptforge.data.shards import load_split
+from gptforge.data.shards import TokenStream
 from gptforge.model.build import build_model, flops_per_token, peak_flops
 from gptforge.model.engine import lr_schedule
 from gptforge.model.losses import causal_lm_loss
@@ -51,7 +51,7 @@ def baseline(cfg) -> float:
     """A plain loop: one process, all cores, torch AdamW, the same schedule and clipping."""
     pc = cfg.pretrain
     tok_dir = locate(cfg, "tokenize")[0]
-    tokens = load_split(tok_dir / "shards", "train")
+    tokens = TokenStream(tok_dir / "shards", "train")
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(tok_dir / "tokenizer"))

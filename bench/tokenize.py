@@ -1,87 +1,147 @@
-"""Tokenize benchmark: the tokenize stage's encoder against what a user would otherwise write,
-side by side on the same generated corpus and the same trained fast tokenizer.
+"""Tokenize benchmark, end to end from files on disk: the tokenize stage (reading, normalising, the BPE sample and
+training, encoding, writing shards) against what a user would write instead with `datasets`:
+`load_dataset("json", ...)` + `.map(tokenizer, batched=True, num_proc=cores)` + `save_to_disk`, given the
+tokenizer the stage trained. Both run as their own processes on the same generated JSONL corpus; the figures are
+tokens/s of each, their ratio, and each side's peak memory (proportional set size of the whole process tree,
+Ray's processes and `datasets`' workers included), at the full size and, for the stage, at a tenth of it.
 
-    .venv/bin/python bench/tokenize.py [--mb 50] [--workers N]
-
-ours:     data.shards.encode_splits (worker processes, flat uint16 shards, index.json)
-baseline: datasets.Dataset.from_dict + .map(tokenizer, batched=True, num_proc=N) + save_to_disk
-Both are timed end to end from the list of documents in memory to files on disk.
+    .venv/bin/python bench/tokenize.py [--gb 1.0] [--workers N]
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 # This file's folder must not shadow the standard library's `tokenize`.
 del sys.path[0]
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
+import random  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+from gptforge.core.config import dump_config, load_config  # noqa: E402
 from gptforge.data.demo import generate  # noqa: E402
-from gptforge.data.shards import encode_splits  # noqa: E402
-from gptforge.data.tokenizer import train_bpe  # noqa: E402
+from gptforge.pipeline.store import locate, read_manifest  # noqa: E402
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+ROOT = Path(__file__).resolve().parents[1]
+FILES = 8
+BASELINE = """
+import sys, datasets
+from transformers import AutoTokenizer
+files, tok_dir, out, workers = sys.argv[1].split(","), sys.argv[2], sys.argv[3], int(sys.argv[4])
+datasets.disable_progress_bars()
+tok = AutoTokenizer.from_pretrained(tok_dir)
+eos = tok.eos_token_id
+def encode(batch):
+    return {"input_ids": [ids + [eos] for ids in tok(batch["text"], add_special_tokens=False)["input_ids"]]}
+ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=out + "-cache")
+ds = ds.map(encode, batched=True, num_proc=workers, remove_columns=ds.column_names)
+ds.save_to_disk(out, num_proc=workers)
+lengths = ds.map(lambda b: {"n": [len(x) for x in b["input_ids"]]}, batched=True, num_proc=workers)
+print(sum(lengths["n"]))
+"""
 
 
-def corpus(mb: float) -> list[str]:
-    docs = generate(seed=0, pretrain_docs=10000).pretrain
-    per_doc = sum(len(d.encode()) for d in docs) / len(docs)
-    return generate(seed=0, pretrain_docs=int(mb * 1e6 / per_doc)).pretrain
+def corpus(folder: Path, gb: float) -> list[Path]:
+    """JSONL files of documents of 1-3 KB made of the demo's sentences, `gb` GB in all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sentences = generate(seed=0, pretrain_docs=50000).pretrain
+    rng = random.Random(0)
+    files, target = [folder / f"part-{k:02d}.jsonl" for k in range(FILES)], gb * 1e9 / FILES
+    for path in files:
+        with open(path, "w") as f:
+            while f.tell() < target:
+                doc = " ".join(rng.choice(sentences).replace("\n", " ") for _ in range(rng.randint(40, 120)))
+                f.write(json.dumps({"text": doc}) + "\n")
+    return files
 
 
-def ours(tok, docs, workers, out: Path) -> int:
-    index = encode_splits(tok.to_str(), {"train": docs}, out, eos_id=tok.token_to_id(SPECIALS[0]),
-                          vocab_size=tok.get_vocab_size(), shard_tokens=100_000_000, num_workers=workers)
-    return sum(s["tokens"] for s in index["splits"]["train"])
+def tree_pss(pid: int) -> int:
+    """Proportional set size of a process and all its descendants, in bytes (shared pages counted once)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
 
 
-def baseline(tok, docs, workers, out: Path) -> int:
-    import datasets
-    from transformers import PreTrainedTokenizerFast
+def measured(cmd: list[str], **kw) -> tuple[float, int, str]:
+    """Run a command; its wall time, the peak PSS of its process tree and its stdout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    peak, out = [0], {}
+    watcher = threading.Thread(target=lambda: out.update(zip(("out", "err"), proc.communicate())))
+    t0 = time.perf_counter()
+    watcher.start()
+    while watcher.is_alive():
+        peak[0] = max(peak[0], tree_pss(proc.pid))
+        time.sleep(0.2)
+    seconds = time.perf_counter() - t0
+    if proc.returncode:
+        sys.exit(f"{cmd[:4]} failed:\n{out['err'][-3000:]}")
+    return seconds, peak[0], out["out"]
 
-    datasets.disable_progress_bars()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0])
-    eos = hf.eos_token_id
 
-    def encode(batch):
-        return {"input_ids": [ids + [eos] for ids in hf(batch["text"])["input_ids"]]}
-
-    ds = datasets.Dataset.from_dict({"text": docs})
-    ds = ds.map(encode, batched=True, num_proc=workers, remove_columns=["text"])
-    ds.save_to_disk(str(out))
-    return sum(len(x) for x in ds["input_ids"])
+def stage(files: list[Path], root: Path, workers: int) -> tuple[float, int, dict, Path]:
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"run.root={root}", f"data.pretrain={files[0].parent}/*.jsonl",
+                                                       f"tokenizer.num_workers={workers}"])
+    path = root / "pipeline.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_config(cfg))
+    seconds, peak, _ = measured([sys.executable, "-m", "gptforge.pipeline.cli", "stage", "tokenize", "-c", str(path)],
+                                cwd=root)
+    out_dir = locate(cfg, "tokenize")[0]
+    return seconds, peak, read_manifest(out_dir)["metrics"], out_dir
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mb", type=float, default=50.0, help="corpus size in MB")
+    p.add_argument("--gb", type=float, default=1.0, help="corpus size in GB (the stage also runs on a tenth of it)")
     p.add_argument("--workers", type=int, default=os.cpu_count())
     args = p.parse_args()
-    docs = corpus(args.mb)
-    n_bytes = sum(len(d.encode()) for d in docs)
-    tok = train_bpe(docs[:50000], 512, 2, SPECIALS)
-    print(f"corpus: {len(docs)} docs, {n_bytes / 1e6:.1f} MB; workers: {args.workers}")
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
-    results = {}
     try:
-        for name, fn in (("baseline", baseline), ("gptforge", ours)):
-            t0 = time.perf_counter()
-            tokens = fn(tok, docs, args.workers, work / name)
-            seconds = time.perf_counter() - t0
-            results[name] = tokens / seconds
-            print(f"{name:9s} {tokens:>12,d} tokens in {seconds:6.2f}s  {tokens / seconds:>12,.0f} tokens/s")
+        files = corpus(work / "corpus", args.gb)
+        small = corpus(work / "small", args.gb / 10)
+        size = sum(f.stat().st_size for f in files)
+        print(f"corpus: {len(files)} JSONL files, {size / 1e9:.2f} GB; {args.workers} workers")
+        s_small, peak_small, m_small, _ = stage(small, work / "run-small", args.workers)
+        s_ours, peak_ours, m, out_dir = stage(files, work / "run", args.workers)
+        s_base, peak_base, printed = measured([sys.executable, "-c", BASELINE, ",".join(map(str, files)),
+                                               str(out_dir / "tokenizer"), str(work / "baseline"), str(args.workers)])
+        tokens_base = int(printed.strip().splitlines()[-1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"ratio gptforge/baseline: {results['gptforge'] / results['baseline']:.2f}x (target >= 1.5x)")
+    ours, base = m["tokens"] / s_ours, tokens_base / s_base
+    gib = 2 ** 30
+    print(f"gptforge  {m['tokens']:>13,d} tokens in {s_ours:7.1f}s {ours:>11,.0f} tokens/s  peak "
+          f"{peak_ours / gib:.2f} GiB (BPE on a sample of {m['bytes'] / 1e9:.2f} GB, {m['documents']:,} documents)")
+    print(f"baseline  {tokens_base:>13,d} tokens in {s_base:7.1f}s {base:>11,.0f} tokens/s  peak "
+          f"{peak_base / gib:.2f} GiB (datasets load_dataset + map + save_to_disk)")
+    print(f"gptforge at a tenth of the corpus: {m_small['tokens']:,} tokens in {s_small:.1f}s, peak "
+          f"{peak_small / 2**30:.2f} GiB")
+    print(f"ratio gptforge/baseline tokens/s: {ours / base:.2f}x (target >= 1.5x); stage peak memory at full size / at "
+          f"a tenth: {peak_ours / peak_small:.2f}x (target <= 1.2x, and under 2 GiB)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""The normalised data each stage consumes, from whichever source the `data` config section names."""
+"""The normalised conversations and preference pairs the SFT, reward and preference stages consume, from whichever
+source the `data` config section names, and the fingerprints of every source. (The pretraining corpus is not
+loaded here: the tokenize stage streams it, unit by unit, through gptforge.data.corpus.)"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import partial
+from pathlib import Path
 
+from gptforge.core.errors import DataError
 from gptforge.data import demo
-from gptforge.data.adapters import Normalised, normalise, to_messages, to_pair, to_text
+from gptforge.data.adapters import Normalised, normalise, to_messages, to_pair
 from gptforge.data.sources import fingerprint_source, kind_of, read_rows
 
 VAL_EVERY = 20  # for files and hub data: every 20th row is held out for validation
@@ -23,8 +26,8 @@ class Split:
     bad_rows: int = 0
 
 
-def _load(spec: str, data_cfg, adapt, what: str) -> Normalised:
-    return normalise(read_rows(spec, data_cfg.split), adapt, data_cfg.on_bad_row, what)
+def _load(source, data_cfg, adapt, what: str) -> Normalised:
+    return normalise(read_rows(source), adapt, data_cfg.on_bad_row, what)
 
 
 def _split(rows: Normalised) -> Split:
@@ -32,16 +35,9 @@ def _split(rows: Normalised) -> Split:
     return Split([x for i, x in enumerate(items) if i % VAL_EVERY], items[::VAL_EVERY], rows.bad_rows)
 
 
-def pretrain_texts(data_cfg) -> Normalised:
-    """Pretraining documents (str)."""
-    if kind_of(data_cfg.pretrain) == "demo":
-        return Normalised(demo.from_settings(data_cfg.demo).pretrain)
-    return _load(data_cfg.pretrain, data_cfg, partial(to_text, text_field=data_cfg.text_field), "text")
-
-
 def conversations(data_cfg) -> Split:
     """Chat conversations ({"messages": [...]}); demo validation uses the held-out items."""
-    if kind_of(data_cfg.sft) == "demo":
+    if kind_of(data_cfg.sft.path) == "demo":
         d = demo.from_settings(data_cfg.demo)
         val = [{"messages": it["prompt"] + [{"role": "assistant", "content": it["answer"]}]} for it in d.eval]
         return Split(d.sft, val)
@@ -50,10 +46,17 @@ def conversations(data_cfg) -> Split:
 
 def preference_pairs(data_cfg) -> Split:
     """Preference pairs ({"prompt", "chosen", "rejected"}); demo validation uses the held-out items."""
-    if kind_of(data_cfg.preference) == "demo":
+    if kind_of(data_cfg.preference.path) == "demo":
         d = demo.from_settings(data_cfg.demo)
         return Split(d.preference, d.preference_eval)
     return _split(_load(data_cfg.preference, data_cfg, to_pair, "preference"))
+
+
+def require(have: int, need: int, what: str, batch_key: str, source_key: str) -> None:
+    """Too little data for one step of training is an error before anything trains, naming what to change."""
+    if have < need:
+        raise DataError(f"{have} {what}, fewer than the {need} that one step takes ({batch_key} over all processes); "
+                        f"give more data ({source_key}), or lower {batch_key} or distributed.nproc_per_node")
 
 
 def answered_prompts(pairs: list[dict]) -> list[tuple[list[dict], str]]:
@@ -72,10 +75,9 @@ def eval_fingerprint(data_cfg) -> str:
     return hashlib.sha256(json.dumps(demo.part_settings("eval", data_cfg.demo), sort_keys=True).encode()).hexdigest()
 
 
-def source_fingerprint(data_cfg, which: str) -> str:
-    """Fingerprint of the rows behind `data.<which>` (pretrain, sft or preference): the source's
-    content plus the settings that decide how its rows are read."""
-    spec = getattr(data_cfg, which)
-    content = fingerprint_source(spec, data_cfg.split, demo.part_settings(which, data_cfg.demo))
-    reading = f"{data_cfg.on_bad_row}|{data_cfg.text_field}|{data_cfg.split}"
+def source_fingerprint(data_cfg, which: str, digest_cache: Path | None = None) -> str:
+    """Fingerprint of the rows behind `data.<which>` (pretrain, sft or preference): the source's content (file
+    digests cached in `digest_cache`) plus the settings that decide how its rows are read."""
+    content = fingerprint_source(getattr(data_cfg, which), demo.part_settings(which, data_cfg.demo), digest_cache)
+    reading = f"{data_cfg.on_bad_row}|{data_cfg.text_field if which == 'pretrain' else ''}"
     return hashlib.sha256(f"{content}|{reading}".encode()).hexdigest()

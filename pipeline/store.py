@@ -27,7 +27,7 @@ from gptforge.stages.cli import RESULT, run_stage
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
 # Bumped when a stage's code changes what it computes from the same config and inputs (1 if absent),
 # so that its stored outputs, and those downstream, are recomputed rather than reused.
-CODE_VERSIONS: dict[str, int] = {}
+CODE_VERSIONS = {"tokenize": 2}  # tokenize 2: streamed in units, shards format 2 (index with counts and max id)
 EVALUATED = ("sft", *ALGORITHMS)  # the stages followed by an evaluation step
 UPSTREAM = {"tokenize": (), "pretrain": ("tokenize",), "sft": ("pretrain",), "reward": ("sft",),
             **{a: ("sft", "reward") for a in ALGORITHMS},
@@ -90,11 +90,16 @@ def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[st
         for s in lineage(step):
             if s not in out:
                 data = eval_fingerprint(cfg.data) if s.startswith("eval-") else (
-                    source_fingerprint(cfg.data, DATA_OF[s]) if s in DATA_OF else None)
+                    source_fingerprint(cfg.data, DATA_OF[s], digest_cache(cfg)) if s in DATA_OF else None)
                 out[s] = _hash({"stage": s, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(s, 1),
                                 "config": stage_config(cfg, s), "inputs": {up: out[up] for up in UPSTREAM[s]},
                                 "data": data})
     return {s: out[s] for s in steps} if steps else out
+
+
+def digest_cache(cfg: PipelineConfig) -> Path:
+    """Where the digests of local data files are cached (gptforge.data.sources.file_digest)."""
+    return Path(cfg.run.root) / "store" / "digests"
 
 
 def stage_dir(cfg: PipelineConfig, step: str, fingerprint: str) -> Path:

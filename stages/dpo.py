@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.errors import DataError
 from gptforge.data import loaders
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.evaluate import policy_and_judge
@@ -43,8 +42,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     rank, world, _ = setup_distributed()
     sft_dir, _, tokenizer, _ = policy_and_judge(inputs)
     train = as_dataset(loaders.preference_pairs(cfg.data).train)
-    if len(train) < pc.micro_batch_size * world:
-        raise DataError(f"too few usable preference pairs for DPO: {len(train)}")
+    loaders.require(len(train), pc.global_batch_size, "usable preference pairs", "preference.global_batch_size",
+                    "data.preference")
 
     loss_type = pc.dpo.loss_type
     args = DPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,

@@ -36,6 +36,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     rank, world, _ = setup_distributed()
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
     pairs = loaders.preference_pairs(cfg.data).train
+    loaders.require(len(pairs), pc.global_batch_size // oc.num_generations, "preference pairs (prompts)",
+                    "preference.global_batch_size", "data.preference")
     rewards = online_rewards(oc, reward_dir, reward_tokenizer)
     args = GRPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.errors import DataError, UserError
+from gptforge.core.errors import UserError
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows, left_pad, positions, prompt_ids
 from gptforge.data.loader import DistributedOrder
@@ -107,8 +107,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     prompts, answers = map(list, zip(*loaders.answered_prompts(pairs)))
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
-    if len(prompts) < per_rank * world:
-        raise DataError(f"too few prompts for PPO: {len(prompts)}")
+    loaders.require(len(prompts), per_rank * world, "distinct prompts", "preference.global_batch_size",
+                    "data.preference")
     ptx_rows = (ChosenRows(tokenizer, pairs, pc.max_length, oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world,
                            cfg.run.seed) if oc.ptx_coef else None)  # an update: one minibatch
     stat_names = ["policy_loss", "value_loss", "clip_frac", "entropy"] + (["ptx_loss"] if ptx_rows is not None else [])

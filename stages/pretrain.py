@@ -18,7 +18,7 @@ from tqdm import tqdm
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import DataError
 from gptforge.data.loader import TokenWindows, eval_batches
-from gptforge.data.shards import load_split, read_index, unigram_entropy
+from gptforge.data.shards import TokenStream, read_index
 from gptforge.model.build import build_model, flops_per_token, peak_flops
 from gptforge.model.checkpoints import resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
@@ -32,16 +32,28 @@ OUTPUTS = {"model": "model"}
 
 
 def load_data(tok_dir: Path, shard_dir: Path):
-    """Tokenizer and train/val token arrays, checked to belong together."""
+    """Tokenizer, the shard index and the train/val token streams (memory-mapped), checked to belong together."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     index = read_index(shard_dir)
-    train, val = load_split(shard_dir, "train"), load_split(shard_dir, "val")
-    if index["vocab_size"] != len(tokenizer) or int(train.max()) >= len(tokenizer):
-        raise DataError(f"token shards in {shard_dir} (vocab {index['vocab_size']}, max id {int(train.max())}) "
+    if index["vocab_size"] != len(tokenizer) or index["max_token_id"] >= len(tokenizer):
+        raise DataError(f"token shards in {shard_dir} (vocab {index['vocab_size']}, max id {index['max_token_id']}) "
                         f"were not made by the tokenizer in {tok_dir} (vocab {len(tokenizer)})")
-    return tokenizer, train, val
+    return tokenizer, index, TokenStream(shard_dir, "train"), TokenStream(shard_dir, "val")
+
+
+def check_enough(train, val, pc, world: int) -> None:
+    """Too little data for one micro-step on every process is an error before anything trains."""
+    need = pc.micro_batch_size * world
+    for split, tokens in (("train", train), ("val", val)):
+        windows = (len(tokens) - 1) // pc.seq_len
+        if windows < need:
+            raise DataError(
+                f"the {split} split holds {len(tokens)} tokens: {windows} windows of pretrain.seq_len={pc.seq_len}, "
+                f"fewer than one micro-step of pretrain.micro_batch_size={pc.micro_batch_size} x {world} processes "
+                f"(distributed.nproc_per_node x nnodes); give more data, or change tokenizer.val_fraction, "
+                "pretrain.seq_len, pretrain.micro_batch_size or distributed.nproc_per_node")
 
 
 @torch.no_grad()
@@ -56,7 +68,9 @@ def evaluate(engine, val, pc, rank, world, device) -> float:
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     pc, dist = cfg.pretrain, cfg.distributed
     rank, world, device = setup_distributed()
-    tokenizer, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer", inputs["tokenize"] / "shards")
+    tokenizer, index, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer",
+                                                           inputs["tokenize"] / "shards")
+    check_enough(train_tokens, val_tokens, pc, world)
     arch = cfg.model.arch()
     torch.manual_seed(cfg.run.seed)
     model = build_model(arch, len(tokenizer), cfg.model.dropout, tokens={
@@ -130,7 +144,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     barrier()
     return {"train_loss": round(train_loss, 6), "val_loss": round(val_loss, 6),
             "val_ppl": round(float(torch.tensor(val_loss).exp()), 4),
-            "unigram_entropy": round(unigram_entropy(train_tokens), 6), "tokens_per_sec": tokens_per_sec,
+            "unigram_entropy": round(index["unigram_entropy"], 6), "tokens_per_sec": tokens_per_sec,
             "mfu": round(mfu_of(tokens_per_sec), 4) if mfu_of(tokens_per_sec) else None, "global_step": step,
             "parameters": n_params, "flops_per_token": flops_tok}
 

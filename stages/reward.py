@@ -19,7 +19,6 @@ import torch
 from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.errors import DataError
 from gptforge.data import loaders
 from gptforge.data.chat import collate, encode_pairs
 from gptforge.data.loader import DistributedOrder
@@ -101,9 +100,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         if rank == 0:
             print(f"[reward] {len(extra)} of {sampled} answers sampled from the SFT model were wrong: "
                   f"{len(added)} pairs added", flush=True)
-    if len(train.examples) < rc.micro_batch_size * world or not val.examples:
-        raise DataError(f"too few usable preference pairs: {len(train.examples)} to train, {len(val.examples)} "
-                        f"to validate (skipped: {dict(train.skipped)})")
+    loaders.require(len(train.examples), rc.micro_batch_size * world, f"usable training pairs (skipped: "
+                    f"{dict(train.skipped)})", "reward.micro_batch_size", "data.preference")
+    loaders.require(len(val.examples), 1, "usable held-out pairs", "reward.micro_batch_size", "data.preference")
     if rank == 0:
         print(f"[reward] {len(train.examples)} pairs, {len(val.examples)} held out; skipped {dict(train.skipped)}, "
               f"truncated {train.truncated}", flush=True)

@@ -20,7 +20,6 @@ import torch
 from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.errors import DataError
 from gptforge.data import loaders
 from gptforge.data.chat import collate, encode_conversations, pack
 from gptforge.data.loader import DistributedOrder
@@ -63,9 +62,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     train = encode_conversations(tokenizer, data.train, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     val = encode_conversations(tokenizer, data.val, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     examples = pack(train.examples, sc.max_length) if sc.packing else train.examples
-    if len(examples) < sc.micro_batch_size * world or not val.examples:
-        raise DataError(f"too few usable conversations: {len(examples)} to train, {len(val.examples)} to validate "
-                        f"(skipped: {dict(train.skipped)})")
+    loaders.require(len(examples), sc.micro_batch_size * world, f"usable training conversations (skipped: "
+                    f"{dict(train.skipped)})", "sft.micro_batch_size", "data.sft")
+    loaders.require(len(val.examples), 1, "usable held-out conversations", "sft.micro_batch_size", "data.sft")
     if rank == 0:
         print(f"[sft] {len(train.examples)} conversations ({len(examples)} sequences), {len(val.examples)} val; "
               f"skipped {dict(train.skipped)}, truncated {train.truncated}", flush=True)

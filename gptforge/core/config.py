@@ -61,14 +61,31 @@ class DemoSection(Section):
     eval_items: int = Setting(200, ge=1, description="Number of held-out verifiable items.")
 
 
+class SourceSection(Section):
+    """Where one kind of rows comes from. A plain string in the YAML (`sft: chat.jsonl`) is its `path`."""
+
+    path: str = Setting("demo", description="'demo', a local file, folder or glob (.txt .jsonl .json .parquet .arrow, "
+                        ".gz/.zst), a save_to_disk folder, or a hub dataset name.")
+    split: str = Setting("train", description="Split of a hub dataset or of a saved DatasetDict.")
+    subset: str | None = Setting(None, description="Subset (configuration) of a hub dataset.")
+    revision: str | None = Setting(None, description="Hub dataset revision (branch, tag or commit); None: the newest "
+                                   "commit of main, resolved at every run.")
+    streaming: bool = Setting(False, same_result=True, description="Stream a hub dataset instead of downloading it "
+                              "first.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_path(cls, data):
+        return {"path": data} if isinstance(data, str) else data
+
+
 class DataSection(Section):
-    pretrain: str = Setting("demo", description="Pretraining corpus: 'demo', a local file/folder/glob, or a hub "
-                            "dataset.")
-    sft: str = Setting("demo", description="Chat data (Alpaca, ShareGPT, OpenAI messages): 'demo', path or hub name.")
-    preference: str = Setting("demo", description="Preference pairs (prompt/chosen/rejected, UltraFeedback, HH): "
-                              "'demo', path or hub name.")
-    split: str = Setting("train", description="Split to load from hub datasets.")
-    text_field: str = Setting("text", description="Field holding the text in JSON/Parquet pretraining rows.")
+    pretrain: SourceSection = Setting(default_factory=SourceSection, description="Pretraining corpus.")
+    sft: SourceSection = Setting(default_factory=SourceSection, description="Chat data (Alpaca, ShareGPT, OpenAI "
+                                 "messages).")
+    preference: SourceSection = Setting(default_factory=SourceSection, description="Preference pairs (prompt/chosen/"
+                                        "rejected, UltraFeedback, HH).")
+    text_field: str = Setting("text", description="Field holding the text in JSON/Parquet/Arrow pretraining rows.")
     on_bad_row: Literal["skip", "fail"] = Setting("skip", description="Skip bad rows (counted) or fail the stage.")
     demo: DemoSection = Setting(default_factory=DemoSection, description="Demo data sizes.")
 
@@ -83,9 +100,13 @@ class TokenizerSection(Section):
                                         description="Special tokens: end-of-text, start and end of a chat turn, "
                                         "padding (the last; end-of-text when there are three).")
     val_fraction: float = Setting(0.05, gt=0, lt=1, description="Fraction of documents held out as the val shard.")
+    train_sample_bytes: int = Setting(100_000_000, ge=1, description="BPE trains on a seeded sample of at most this "
+                                      "many bytes of documents, drawn across the whole corpus.")
     shard_tokens: int = Setting(50_000_000, ge=1000, description="Maximum tokens per shard file.")
-    num_workers: int = Setting(0, ge=0, same_result=True, description="Encoding worker processes; 0 means one per "
-                               "CPU core.")
+    num_workers: int = Setting(0, ge=0, same_result=True, description="Worker processes of the local Ray instance; 0 "
+                               "means one per CPU core.")
+    cluster: str | None = Setting(None, same_result=True, description="Ray cluster doing the tokenize stage's "
+                                  "parallel work ('auto' or host:port); None: a local instance the stage starts.")
 
     @model_validator(mode="after")
     def _vocab_holds_bytes(self):
@@ -303,12 +324,12 @@ class PipelineConfig(Section):
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "
                                  "update over all processes")
-            if oc.verifier_reward and self.data.preference != "demo":
+            if oc.verifier_reward and self.data.preference.path != "demo":
                 raise ValueError(f"preference.{algo}.verifier_reward needs data.preference: demo (the verifier knows "
-                                 f"the demo's answers), not {self.data.preference!r}; set it to false")
-        if self.reward.enabled and self.reward.policy_samples and self.data.preference != "demo":
+                                 f"the demo's answers), not {self.data.preference.path!r}; set it to false")
+        if self.reward.enabled and self.reward.policy_samples and self.data.preference.path != "demo":
             raise ValueError(f"reward.policy_samples needs data.preference: demo (the verifier knows the demo's "
-                             f"answers), not {self.data.preference!r}; set it to 0")
+                             f"answers), not {self.data.preference.path!r}; set it to 0")
         if self.pretrain.seq_len > self.model.arch().n_positions:
             raise ValueError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds the model context "
                              f"n_positions={self.model.arch().n_positions}")
@@ -322,6 +343,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
+        if isinstance(node.get(k), str):  # a source given by its path alone: `sft: chat.jsonl`
+            node[k] = {"path": node[k]}
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: {k} is not a section")

@@ -6,7 +6,12 @@ import pytest
 
 from gptforge.core.errors import DataError
 from gptforge.data.adapters import normalise, parse_hh, to_messages, to_pair, to_text
-from gptforge.data.sources import read_local
+from gptforge.core.config import SourceSection
+from gptforge.data.sources import read_rows
+
+
+def read_local(path):
+    return read_rows(SourceSection(path=str(path)))
 
 
 def write_jsonl(path, rows):
@@ -20,9 +25,9 @@ def test_text_from_txt_jsonl_json_parquet_folder_and_glob(tmp_path):
     write_jsonl(tmp_path / "d" / "b.jsonl", [{"text": "third"}, {"text": "fourth"}])
     (tmp_path / "d" / "c.json").write_text(json.dumps([{"text": "fifth"}]))
     pq.write_table(pa.table({"text": ["sixth", "seventh"]}), tmp_path / "d" / "e.parquet")
-    out = normalise(read_local(str(tmp_path / "d")), to_text, "fail", "text")
+    out = normalise(read_local(tmp_path / "d"), to_text, "fail", "text")
     assert out.items == ["first doc", "second doc", "third", "fourth", "fifth", "sixth", "seventh"]
-    globbed = normalise(read_local(str(tmp_path / "d" / "*.jsonl")), to_text, "fail", "text")
+    globbed = normalise(read_local(tmp_path / "d" / "*.jsonl"), to_text, "fail", "text")
     assert globbed.items == ["third", "fourth"]
 
 
@@ -59,20 +64,20 @@ def test_bad_rows_are_named_by_file_and_line(tmp_path, capsys):
     f = tmp_path / "chat.jsonl"
     f.write_bytes(b'{"instruction": "a", "output": "b"}\n{not json\n{"instruction": "a"}\n\xff\xfe\n'
                   b'{"messages": [{"role": "robot", "content": "x"}]}\n')
-    out = normalise(read_local(str(f)), to_messages, "skip", "chat")
+    out = normalise(read_local(f), to_messages, "skip", "chat")
     assert len(out.items) == 1 and out.bad_rows == 4
     err = capsys.readouterr().err
     for line, reason in [(2, "malformed JSON"), (3, "missing field 'output'"), (4, "undecodable line"),
                          (5, "message 0 has role 'robot'")]:
         assert f"{f}:{line}: skipped bad chat row: {reason}" in err
     with pytest.raises(DataError, match=rf"{f}:2: bad chat row: malformed JSON"):
-        normalise(read_local(str(f)), to_messages, "fail", "chat")
+        normalise(read_local(f), to_messages, "fail", "chat")
 
 
 def test_missing_file_and_empty_corpus(tmp_path):
     with pytest.raises(DataError, match=r"^file not found: .*nope\.jsonl$"):
-        list(read_local(str(tmp_path / "nope.jsonl")))
+        list(read_local(tmp_path / "nope.jsonl"))
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": ""}\n{"text": "   "}\n')
     with pytest.raises(DataError, match=r"no usable text rows after filtering \(2 bad rows skipped\)"):
-        normalise(read_local(str(empty)), to_text, "skip", "text")
+        normalise(read_local(empty), to_text, "skip", "text")

@@ -46,3 +46,14 @@ def test_ids_at_a_micro_step_depend_on_the_step_and_rank_alone():
     fresh = [DistributedOrder(10, 2, rank=r, world=2, seed=3) for r in range(2)]
     assert [[o.ids_at(s).tolist() for o in fresh] for s in (4, 0, 3, 1, 2)] == [drawn[s] for s in (4, 0, 3, 1, 2)]
     assert len({i for s in (0, 1) for ids in drawn[s] for i in ids}) == 8  # ranks and steps draw different rows
+
+
+def test_too_little_data_names_the_keys_to_change():
+    from gptforge.core.errors import DataError
+    from gptforge.data.loaders import require
+
+    require(16, 16, "pairs", "reward.micro_batch_size", "data.preference")
+    with pytest.raises(DataError, match=r"^12 pairs, fewer than the 16 that one step takes \(reward.micro_batch_size "
+                                        r"over all processes\); give more data \(data.preference\), or lower "
+                                        r"reward.micro_batch_size or distributed.nproc_per_node$"):
+        require(12, 16, "pairs", "reward.micro_batch_size", "data.preference")

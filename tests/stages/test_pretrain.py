@@ -2,6 +2,7 @@
 resumes to the same result, the export loads without gptforge."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,21 @@ def test_out_of_memory_at_start_up_names_the_settings_to_change(tmp_path):
         assert key in error[0], error[0]
     assert "Traceback" not in proc.stderr
     assert read_manifest(out_dir) is None and not (out_dir / "result.json").exists()  # nothing marked complete
+
+
+def test_too_little_data_is_an_error_before_training(tmp_path):
+    """A corpus whose val split holds fewer windows than one micro-step: one error line naming the numbers and
+    the keys to change, exit code 1, before any engine starts."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"a short document number {i}\n" for i in range(200)))
+    cfg, path = config(tmp_path, f"data.pretrain={corpus}", "distributed.nproc_per_node=1")
+    tokenize_in_process(cfg)
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "stage", "pretrain", "-c", str(path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert re.match(r"error: the val split holds \d+ tokens: \d+ windows of pretrain.seq_len=64, fewer than one "
+                    r"micro-step of pretrain.micro_batch_size=8 x 1 processes", error), error
+    keys = ("tokenizer.val_fraction", "pretrain.seq_len", "pretrain.micro_batch_size", "distributed.nproc_per_node")
+    assert all(key in error for key in keys), error
+    assert "Traceback" not in proc.stderr and "deepspeed.initialize" not in proc.stderr

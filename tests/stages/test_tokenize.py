@@ -1,12 +1,21 @@
 import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from gptforge.data.shards import load_split, read_index
-from gptforge.pipeline.store import execute
-from gptforge.stages import tokenize
+from gptforge.core.config import dump_config
+from gptforge.core.errors import DataError
+from gptforge.data.shards import TokenStream, read_index
+from gptforge.pipeline.store import execute, locate
+from tests.helpers import free_port
 
 MIXED = ["Hello world, 23 plus 45 is 68.", "你好，世界！中文文本。", "emoji 🙂🚀 and ünïcödé",
          "tabs\tand  double  spaces", "العربية والعبرية עברית"]
@@ -24,15 +33,25 @@ def corpus(tmp_path):
     return path, [r["text"] for r in rows]
 
 
+def decode_split(out_dir, split: str) -> list[str]:
+    """The documents of a split, decoded from its shards in order."""
+    tok = AutoTokenizer.from_pretrained(out_dir / "tokenizer")
+    stream = TokenStream(out_dir / "shards", split)
+    tokens, eos = stream[0:len(stream)], read_index(out_dir / "shards")["eos_id"]
+    ends = np.flatnonzero(tokens == eos)
+    return [tok.decode(tokens[a:b].tolist()) for a, b in zip([0, *(ends[:-1] + 1)], ends)]
+
+
 def test_tokenize_stage_end_to_end(small_cfg, corpus, capsys):
     path, docs = corpus
     cfg = small_cfg(f"data.pretrain={path}", "tokenizer.shard_tokens=2000")
     manifest = execute(cfg, "tokenize")
-    out_dir = path.parent / "runs" / "store" / "tokenize" / manifest["fingerprint"][:16]
+    out_dir = locate(cfg, "tokenize")[0]
     m = manifest["metrics"]
-    assert m["bad_rows"] == 1 and f"{path}:12" in capsys.readouterr().err
+    assert m["bad_rows"] == 1 and f"{path}:12: skipped bad text row" in capsys.readouterr().err
     assert m["vocab_size"] == 320 and m["tokens"] == m["train_tokens"] + m["val_tokens"] > 0
     assert m["bytes"] == sum(len(d.encode()) for d in docs) and m["tokens_per_sec"] > 0
+    assert m["documents"] == len(docs) and 0 < m["unigram_entropy"] < np.log(320)
 
     tok = AutoTokenizer.from_pretrained(out_dir / "tokenizer")
     for text in MIXED:
@@ -40,15 +59,105 @@ def test_tokenize_stage_end_to_end(small_cfg, corpus, capsys):
 
     index = read_index(out_dir / "shards")
     assert index["dtype"] == "uint16" and len(index["splits"]["train"]) > 1  # several shards
-    train = load_split(out_dir / "shards", "train")
-    eos = index["eos_id"]
-    decoded, start = [], 0
-    for i in np.flatnonzero(train == eos):
-        decoded.append(tok.decode(train[start:i].tolist()))
-        start = i + 1
-    split = tokenize.split_docs(docs, cfg.tokenizer.val_fraction)
-    assert decoded == split["train"]
-    assert not set(split["val"]) & set(split["train"])
+    train, val = decode_split(out_dir, "train"), decode_split(out_dir, "val")
+    assert sorted(train + val) == sorted(docs) and train == [d for d in docs if d in set(train)]  # corpus order
+    assert 0 < len(val) < 0.15 * len(docs) and not set(val) & set(train)
+
+
+def test_a_bad_row_fails_the_stage_when_asked(small_cfg, corpus):
+    path, _ = corpus
+    with pytest.raises(DataError, match=rf"^{path}:12: bad text row: field 'text' should be a string, got int \(data"):
+        execute(small_cfg(f"data.pretrain={path}", "data.on_bad_row=fail"), "tokenize")
+
+
+def test_bpe_trains_on_a_sample_drawn_across_the_whole_corpus(small_cfg, tmp_path, capsys):
+    """Two files, each of words the other lacks: a sample of a tenth of the corpus still holds both."""
+    for name, words in (("a.txt", "ant bee cat"), ("z.txt", "xylophone yak zebra")):
+        (tmp_path / name).write_text("".join(f"{words} {i}\n" for i in range(2000)))
+    size = sum((tmp_path / n).stat().st_size for n in ("a.txt", "z.txt"))
+    cfg = small_cfg(f"data.pretrain={tmp_path}/*.txt", f"tokenizer.train_sample_bytes={size // 10}")
+    execute(cfg, "tokenize")
+    sampled = int(re.search(r"documents \(([\d,]+) bytes\)", capsys.readouterr().out).group(1).replace(",", ""))
+    assert size // 10 - 100 <= sampled <= size // 10
+    tok = AutoTokenizer.from_pretrained(locate(cfg, "tokenize")[0] / "tokenizer")
+    for word in ("xylophone", " zebra", "ant", " bee"):  # words of both files are whole tokens
+        assert len(tok.tokenize(word)) == 1, word
+
+
+def test_a_killed_stage_reruns_only_its_unfinished_units(small_cfg, tmp_path):
+    for k in range(4):
+        (tmp_path / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"document {k} {i} " * 3}) + "\n"
+                                                         for i in range(300)))
+    cfg = small_cfg(f"data.pretrain={tmp_path}/*.jsonl")
+    first = execute(cfg, "tokenize")["metrics"]
+    out_dir = locate(cfg, "tokenize")[0]
+    shards = out_dir / "shards"
+    before = {f.name: f.read_bytes() for f in shards.glob("*.bin")}
+    # killed while encoding unit 2: its record not written, a half-written temporary and a truncated file left
+    for f in ("manifest.json", "result.json", "shards/index.json", "shards/units/00002.json"):
+        (out_dir / f).unlink()
+    (shards / ".train-00002-000.bin.tmp").write_bytes(b"\0" * 10)
+    (shards / "train-00002-000.bin").write_bytes(before["train-00002-000.bin"][:7])
+    stamps = {f.name: f.stat().st_mtime_ns for f in shards.glob("*.bin")}
+    again = execute(cfg, "tokenize")["metrics"]
+    assert {f.name: f.read_bytes() for f in shards.glob("*.bin")} == before
+    assert not list(shards.glob(".*.tmp"))
+    rewritten = {f.name for f in shards.glob("*.bin") if f.stat().st_mtime_ns != stamps.get(f.name)}
+    assert rewritten == {n for n in before if n.split("-")[1] == "00002"}  # the other units were kept
+    assert {k: v for k, v in again.items() if k != "tokens_per_sec"} == {
+        k: v for k, v in first.items() if k != "tokens_per_sec"}
+
+
+def test_a_cluster_nobody_answers_at_is_a_clear_error(small_cfg, tmp_path):
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(dump_config(small_cfg(f"tokenizer.cluster=127.0.0.1:{free_port()}")))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "stage", "tokenize", "-c", str(path)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1 and time.time() - t0 < 60
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: tokenizer.cluster=127.0.0.1:")
+    assert "cannot reach a Ray cluster" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_ray_cluster_writes_the_same_shards_as_the_local_instance(small_cfg, tmp_path):
+    """The same corpus tokenized by the stage's own local Ray instance and by a 2-CPU cluster started here on
+    127.0.0.1: token for token the same shards."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(5):
+        (corpus / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"{w} number {i} of part {k}"}) + "\n"
+                                                        for i, w in enumerate(MIXED * 60)))
+    port = free_port()
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        local = small_cfg(f"data.pretrain={corpus}", "run.root=" + str(tmp_path / "local"))
+        cluster = small_cfg(f"data.pretrain={corpus}", "run.root=" + str(tmp_path / "cluster"),
+                            f"tokenizer.cluster=127.0.0.1:{port}")
+        deadline = time.time() + 60
+        while True:  # the head answers once its GCS is up
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline and head.poll() is None
+                time.sleep(0.5)
+        outputs = [execute(c, "tokenize") for c in (local, cluster)]
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(60)
+    dirs = [locate(c, "tokenize")[0] for c in (local, cluster)]
+    assert outputs[0]["fingerprint"] == outputs[1]["fingerprint"]  # where it runs does not change what it is
+    files = [sorted(f.name for f in (d / "shards").glob("*.bin")) for d in dirs]
+    assert files[0] == files[1] and len(files[0]) >= 5
+    for name in files[0]:
+        assert (dirs[0] / "shards" / name).read_bytes() == (dirs[1] / "shards" / name).read_bytes(), name
+    tokenizers = [(d / "tokenizer" / "tokenizer.json").read_bytes() for d in dirs]
+    assert tokenizers[0] == tokenizers[1]
 
 
 def test_chat_template_marks_assistant_tokens(small_cfg):
