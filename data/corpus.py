@@ -93,13 +93,17 @@ class Scan:
     sample: list = field(default_factory=list)  # (key, text)
 
 
-def scan_unit(unit: Unit, reading: Reading, sample_bytes: int, seed: int) -> Scan:
+def scan_unit(unit: Unit, reading: Reading, sample_bytes: int, seed: int, below: int = 2 ** 64) -> Scan:
+    """Count the unit's documents, bytes, lines and bad rows, and keep its bottom-k sample of the documents whose
+    key is below `below` (a pre-filter that keeps what a task returns near its share of the corpus's sample)."""
     out, bad, sample = Scan(), [], Sample(sample_bytes)
     for _, text in documents(unit, reading, bad):
         out.documents += 1
         out.bytes += len(text.encode())
         if sample_bytes:
-            sample.add(key(text, seed), text)
+            k = key(text, seed)
+            if k < below:
+                sample.add(k, text)
     out.bad_rows, out.bad = len(bad), bad[:BAD_EXAMPLES]
     out.lines = count_lines(unit) if unit.kind == "text" else 0
     out.sample = [(-k, t) for k, _, t in sample.heap]
@@ -160,14 +164,19 @@ def encode_unit(job: tuple[int, Unit], reading: Reading, encoding: Encoding, out
         writers[split].write(tokens)
         batches[split] = []
 
-    for _, text in documents(unit, reading):
-        docs += 1
-        split = "val" if is_val(text, encoding.val_fraction, encoding.seed) else "train"
-        batches[split].append(text)
-        if len(batches[split]) >= ENCODE_BATCH:
-            flush(split)
-    for split in batches:
-        if batches[split]:
-            flush(split)
+    try:
+        for _, text in documents(unit, reading):
+            docs += 1
+            split = "val" if is_val(text, encoding.val_fraction, encoding.seed) else "train"
+            batches[split].append(text)
+            if len(batches[split]) >= ENCODE_BATCH:
+                flush(split)
+        for split in batches:
+            if batches[split]:
+                flush(split)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
     return {"unit": index, "documents": docs, "max_id": max_id, "counts": counts,
             "shards": {s: w.commit() for s, w in writers.items()}}

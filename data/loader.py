@@ -2,9 +2,9 @@
 
 `DistributedOrder` visits items (token windows, conversations, pairs) epoch after epoch, each epoch in
 a seeded order fixed by (seed, number of items) alone. Token windows are cut from anything with a length and
-slices: a numpy array, or a split's memory-mapped shards (gptforge.data.shards.TokenStream). A micro-step takes the next micro_batch*world
-items of that order and rank r takes its own disjoint slice, so what a run sees does not depend on
-when it was interrupted: the state is one integer, the position.
+slices: a numpy array, or a split's memory-mapped shards (gptforge.data.shards.TokenStream). A micro-step
+takes the next micro_batch*world items of that order and rank r takes its own disjoint slice, so what a run
+sees does not depend on when it was interrupted: the state is one integer, the position.
 """
 
 from __future__ import annotations

@@ -146,6 +146,26 @@ def _hub_units(source) -> list[Unit]:
 # --- reading units -----------------------------------------------------------------------------------
 
 
+def unit_bytes(unit: Unit) -> int | None:
+    """The size a unit reads (its byte range, or its file), or None where it is not known (datasets, demo)."""
+    if unit.kind == "text" and unit.stop is not None:
+        return unit.stop - unit.start
+    if unit.kind in ("text", "json", "parquet", "arrow"):
+        return os.path.getsize(unit.path) if unit.kind in ("text", "json") else _file_share(unit)
+    return None
+
+
+def _file_share(unit: Unit) -> int:
+    """A columnar unit's share of its file's bytes (rows or row groups of all)."""
+    import pyarrow.parquet as pq
+
+    size = os.path.getsize(unit.path)
+    if unit.kind == "parquet":
+        groups = pq.ParquetFile(unit.path).metadata.num_row_groups
+        return size * (unit.stop - unit.start) // max(groups, 1)
+    return size * (unit.stop - unit.start) // max(_arrow_table(Path(unit.path)).num_rows, 1)
+
+
 def read_unit(unit: Unit, source, demo_settings=None) -> Iterator[Row]:
     """The raw rows of a unit, one batch in memory at a time."""
     if unit.kind == "text":

@@ -33,7 +33,7 @@ from gptforge.core.files import write_json_atomic
 from gptforge.data.corpus import Encoding, Reading, Sample, Scan, encode_unit, scan_unit
 from gptforge.data.parallel import engine
 from gptforge.data.shards import dtype_for, entropy, write_index
-from gptforge.data.sources import Unit, units
+from gptforge.data.sources import Unit, unit_bytes, units
 from gptforge.data.tokenizer import load_pretrained, save_hf, train_bpe
 from gptforge.stages.cli import main
 
@@ -44,27 +44,37 @@ WARNINGS = 5  # bad rows named in the log (all are counted)
 def scan(cfg: PipelineConfig, plan: list[Unit], reading: Reading, run_units,
          done_dir: Path) -> tuple[list[Scan], Sample]:
     """The scan pass over every unit (kept in done_dir, so that a resumed stage skips it), and the corpus's BPE
-    sample merged from the units' (empty when the tokenizer is pretrained or already trained)."""
+    sample merged from the units' (empty when the tokenizer is pretrained or already trained).
+
+    So that no task returns much more than its share of the sample, units keep only the documents whose key is
+    below a fraction q of the key range, twice the sample's share of the corpus's known bytes; the merged sample
+    is exact when it ends below q (it almost always does), and is scanned again with q doubled when not."""
     tc = cfg.tokenizer
     trained = (done_dir.parent / "tokenizer" / "tokenizer.json").is_file() or tc.pretrained
-    sample = Sample(0 if trained else tc.train_sample_bytes)
-    scans: list[Scan | None] = [None] * len(plan)
-    if trained:
-        for i in range(len(plan)):
-            record = done_dir / f"scan-{i:05d}.json"
-            if record.is_file():
-                scans[i] = Scan(**json.loads(record.read_text()))
-    todo = [i for i, s in enumerate(scans) if s is None]
-    with tqdm(total=len(plan), initial=len(plan) - len(todo), unit="unit", desc="tokenize: scan", file=sys.stderr,
-              mininterval=2.0) as bar:
-        for j, result in run_units(scan_unit, [plan[i] for i in todo], reading, sample.budget, cfg.run.seed):
-            for k, text in result.sample:
-                sample.add(k, text)
-            result.sample = []
-            scans[todo[j]] = result
-            write_json_atomic(done_dir / f"scan-{todo[j]:05d}.json", asdict(result))
-            bar.update(1)
-    return scans, sample
+    budget = 0 if trained else tc.train_sample_bytes
+    sizes = [unit_bytes(u) for u in plan]
+    q = 1.0 if None in sizes or not budget else min(1.0, 2 * budget / max(sum(sizes), 1))
+    while True:
+        sample, scans = Sample(budget), [None] * len(plan)
+        if trained:
+            for i in range(len(plan)):
+                record = done_dir / f"scan-{i:05d}.json"
+                if record.is_file():
+                    scans[i] = Scan(**json.loads(record.read_text()))
+        todo = [i for i, s in enumerate(scans) if s is None]
+        below = int(q * 2 ** 64) if q < 1 else 2 ** 64
+        with tqdm(total=len(plan), initial=len(plan) - len(todo), unit="unit", desc="tokenize: scan",
+                  file=sys.stderr, mininterval=2.0) as bar:
+            for j, result in run_units(scan_unit, [plan[i] for i in todo], reading, budget, cfg.run.seed, below):
+                for k, text in result.sample:
+                    sample.add(k, text)
+                result.sample = []
+                scans[todo[j]] = result
+                write_json_atomic(done_dir / f"scan-{todo[j]:05d}.json", asdict(result))
+                bar.update(1)
+        if q == 1.0 or sample.cutoff <= below:
+            return scans, sample
+        q = min(1.0, 2 * q)
 
 
 def report_bad_rows(cfg: PipelineConfig, plan: list[Unit], scans: list[Scan]) -> int:
@@ -118,28 +128,24 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     reading = Reading(cfg.data.pretrain, cfg.data.text_field, cfg.data.demo)
     plan = units(cfg.data.pretrain, demo_docs=cfg.data.demo.pretrain_docs)
     workers = tc.num_workers or os.cpu_count() or 1
-    with engine(tc.cluster, workers, len(plan)) as run_units:
-        scans, sample = scan(cfg, plan, reading, run_units, done_dir)
-        bad_rows = report_bad_rows(cfg, plan, scans)
-        documents, n_bytes = sum(s.documents for s in scans), sum(s.bytes for s in scans)
-        if not documents:
-            raise DataError(f"no usable text rows in {cfg.data.pretrain.path} ({bad_rows} bad rows skipped)")
-        print(f"[tokenize] {documents} documents, {n_bytes:,} bytes in {len(plan)} units, {bad_rows} bad rows "
-              f"skipped", flush=True)
-        tok, eos_id = tokenizer(cfg, sample, tok_dir)
-        vocab_size = tok.get_vocab_size()
-        encoding = Encoding(tok.to_str(), eos_id, vocab_size, np.dtype(dtype_for(vocab_size)).name, tc.shard_tokens,
-                            tc.val_fraction, cfg.run.seed)
-        results, t0 = encoded(plan, done_dir), time.perf_counter()
-        todo = [i for i in range(len(plan)) if i not in results]
-        with tqdm(total=len(plan), initial=len(results), unit="unit", desc="tokenize: encode", file=sys.stderr,
-                  mininterval=2.0) as bar:
-            for _, result in run_units(encode_unit, [(i, plan[i]) for i in todo], reading, encoding, shard_dir):
-                np.save(done_dir / f"{result['unit']:05d}.npy", result.pop("counts"))
-                write_json_atomic(done_dir / f"{result['unit']:05d}.json", result)
-                results[result["unit"]] = result
-                bar.update(1)
-        seconds = time.perf_counter() - t0
+    try:
+        with engine(tc.cluster, workers, len(plan)) as run_units:
+            scans, sample = scan(cfg, plan, reading, run_units, done_dir)
+            bad_rows = report_bad_rows(cfg, plan, scans)
+            documents, n_bytes = sum(s.documents for s in scans), sum(s.bytes for s in scans)
+            if not documents:
+                raise DataError(f"no usable text rows in {cfg.data.pretrain.path} ({bad_rows} bad rows skipped)")
+            print(f"[tokenize] {documents} documents, {n_bytes:,} bytes in {len(plan)} units, {bad_rows} bad rows "
+                  f"skipped", flush=True)
+            tok, eos_id = tokenizer(cfg, sample, tok_dir)
+            vocab_size = tok.get_vocab_size()
+            encoding = Encoding(tok.to_str(), eos_id, vocab_size, np.dtype(dtype_for(vocab_size)).name, tc.shard_tokens,
+                                tc.val_fraction, cfg.run.seed)
+            results, fresh, seconds = encode(plan, reading, encoding, run_units, shard_dir)
+    except BaseException:  # a task stopped mid-unit (another failed, or we were cancelled) left its temporary files
+        for tmp in shard_dir.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+        raise
 
     ordered = [results[i] for i in range(len(plan))]
     splits = {s: [f for r in ordered for f in r["shards"][s]] for s in ("train", "val")}
@@ -151,7 +157,6 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     index = {"dtype": encoding.dtype, "vocab_size": vocab_size, "eos_id": eos_id,
              "max_token_id": max(r["max_id"] for r in ordered), "unigram_entropy": entropy(counts), "splits": splits}
     write_index(shard_dir, index)
-    fresh = sum(f["tokens"] for i in todo for files in results[i]["shards"].values() for f in files)  # this start's
     return {
         "vocab_size": vocab_size, "tokens": tokens["train"] + tokens["val"], "bytes": n_bytes,
         "tokens_per_sec": round(fresh / seconds, 1) if fresh else None,
@@ -159,6 +164,24 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         "unigram_entropy": round(index["unigram_entropy"], 6),
         "tokenizer_sha256": hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest(),
     }
+
+
+def encode(plan: list[Unit], reading: Reading, encoding: Encoding, run_units,
+           shard_dir: Path) -> tuple[dict[int, dict], int, float]:
+    """The encode pass over the units a killed run did not finish: every unit's record, and the tokens this run
+    encoded and its seconds."""
+    done_dir = shard_dir / "units"
+    results, t0 = encoded(plan, done_dir), time.perf_counter()
+    todo = [i for i in range(len(plan)) if i not in results]
+    with tqdm(total=len(plan), initial=len(results), unit="unit", desc="tokenize: encode", file=sys.stderr,
+              mininterval=2.0) as bar:
+        for _, result in run_units(encode_unit, [(i, plan[i]) for i in todo], reading, encoding, shard_dir):
+            np.save(done_dir / f"{result['unit']:05d}.npy", result.pop("counts"))
+            write_json_atomic(done_dir / f"{result['unit']:05d}.json", result)
+            results[result["unit"]] = result
+            bar.update(1)
+    fresh = sum(f["tokens"] for i in todo for files in results[i]["shards"].values() for f in files)
+    return results, fresh, time.perf_counter() - t0
 
 
 def encoded(plan: list[Unit], done_dir: Path) -> dict[int, dict]:

@@ -15,6 +15,7 @@ from gptforge.core.config import dump_config
 from gptforge.core.errors import DataError
 from gptforge.data.shards import TokenStream, read_index
 from gptforge.pipeline.store import execute, locate
+from gptforge.stages import tokenize
 from tests.helpers import free_port
 
 MIXED = ["Hello world, 23 plus 45 is 68.", "你好，世界！中文文本。", "emoji 🙂🚀 and ünïcödé",
@@ -182,3 +183,24 @@ def test_a_number_is_one_token_wherever_it_stands():
     assert len(answer.ids) == 1 and answer.ids[0] in question.ids
     assert tok.decode(question.ids) == "Which is larger, 89 or 3?"
     assert [w for w, _ in tok.pre_tokenizer.pre_tokenize_str("1234")] == ["123", "4"]  # 3 digits at most, as cl100k
+
+
+def test_the_prefiltered_scan_keeps_the_exact_sample(small_cfg, tmp_path, monkeypatch):
+    """Units return only documents below a fraction of the key range; the merged sample is still exactly the
+    corpus's bottom-k sample (the reference: no pre-filter, as when unit sizes are unknown)."""
+    from gptforge.data.corpus import Reading
+    from gptforge.data.parallel import in_process
+    from gptforge.data.sources import units
+
+    for k in range(4):
+        (tmp_path / f"p{k}.txt").write_text("".join(f"line {i} of file {k} " + "y" * (i % 50) + "\n"
+                                                    for i in range(3000)))
+    cfg = small_cfg(f"data.pretrain={tmp_path}/*.txt", "tokenizer.train_sample_bytes=40000")
+    plan = units(cfg.data.pretrain)
+    reading = Reading(cfg.data.pretrain, "text", cfg.data.demo)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, filtered = tokenize.scan(cfg, plan, reading, in_process, tmp_path / "a")
+    monkeypatch.setattr(tokenize, "unit_bytes", lambda unit: None)
+    _, reference = tokenize.scan(cfg, plan, reading, in_process, tmp_path / "b")
+    assert filtered.texts() == reference.texts() and 39000 < filtered.size <= 40000
