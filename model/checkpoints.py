@@ -1,11 +1,18 @@
 """Step checkpoints with everything an exact resume needs: each DeepSpeed engine's weights, optimizer and
 scheduler (ZeRO shards as DeepSpeed writes them), the loop's own state (step, loader position) and every
-rank's RNG states. A checkpoint counts only once rank 0 has marked it complete, listing every file."""
+rank's RNG states.
+
+A checkpoint counts only once it is marked complete: `complete.json` lists every file with its size and sha256
+(each rank hashes its share). A checkpoint whose files do not match it is skipped, with a warning, for the one
+before it; the TRL stages' Trainer checkpoints are recorded and checked the same way. Nothing in a checkpoint
+can run code: every load goes through `torch.load(weights_only=True)` (`no_pickled_code`), which builds tensors,
+containers and the few types DeepSpeed and the Trainer store, and refuses anything else.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import random
 import shutil
 import sys
@@ -14,9 +21,66 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gptforge.core.errors import UserError, storage_error
+from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.model.distributed import barrier
 
 COMPLETE = "complete.json"
+
+
+def _safe_globals() -> list:
+    """What DeepSpeed's ZeRO checkpoints and the Trainer's RNG files hold besides tensors and containers."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    dtypes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32)]
+    return [ZeroStageEnum, LossScaler, fragment_address, np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+            *dtypes]
+
+
+@contextlib.contextmanager
+def no_pickled_code():
+    """Inside the block every `torch.load` is `weights_only=True` with the allow-list above, whatever its caller
+    asked (DeepSpeed's checkpoint engine asks for weights_only=False). A file that holds anything else (a pickled
+    callable) is refused with one error naming it, instead of running it."""
+    original = torch.load
+
+    def load(f, *args, weights_only=None, **kwargs):
+        try:
+            with torch.serialization.safe_globals(_safe_globals()):
+                return original(f, *args, weights_only=True, **kwargs)
+        except torch.serialization.pickle.UnpicklingError as e:
+            raise UserError(f"{f}: refused to load, it holds more than tensors and plain data "
+                            f"({str(e).splitlines()[-1] if str(e) else e}); delete the checkpoint") from None
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def _gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, obj)
+    return parts
+
+
+def record_complete(d: Path, step: int, rank: int, world: int) -> None:
+    """Mark a checkpoint complete once every rank has written: every file with its size and sha256, each rank
+    hashing every world-th file, rank 0 writing complete.json atomically."""
+    if world > 1:
+        barrier()
+    files = sorted(str(f.relative_to(d)) for f in d.rglob("*") if f.is_file() and f.name != COMPLETE)
+    mine = {rel: {"size": (d / rel).stat().st_size, "sha256": sha256_file(d / rel)} for rel in files[rank::world]}
+    records = {k: v for part in _gather(mine, world) for k, v in part.items()}
+    if rank == 0:
+        write_json_atomic(d / COMPLETE, {"step": step, "files": dict(sorted(records.items()))})
+    if world > 1:
+        barrier()
 
 
 def tag_of(step: int) -> str:
@@ -41,44 +105,57 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, rank: int, keep_last: int) -> None:
-    """A step checkpoint: each DeepSpeed engine's weights, optimizer and scheduler shards under
-    step-N/<name>/, the client state, and this rank's RNG states. Rank 0 marks it complete (every file
-    with its size) once all ranks have written, then prunes the oldest."""
+def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, rank: int, world: int,
+              keep_last: int) -> None:
+    """A step checkpoint: each DeepSpeed engine's weights, optimizer and scheduler shards under step-N/<name>/,
+    the client state, and this rank's RNG states; marked complete once all ranks have written, then the oldest
+    pruned."""
     d = ckpt_root / tag_of(step)
-    for name, engine in engines.items():
-        engine.save_checkpoint(str(d), tag=name, client_state=client_state)
-    torch.save(rng_state(), d / f"rng-rank{rank}.pt")
-    barrier()
+    try:
+        for name, engine in engines.items():
+            engine.save_checkpoint(str(d), tag=name, client_state=client_state)
+        torch.save(rng_state(), d / f"rng-rank{rank}.pt")
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        shutil.rmtree(d, ignore_errors=True)  # never marked complete: the previous checkpoint stays the newest
+        full = isinstance(e, RuntimeError) and "write" in str(e) and shutil.disk_usage(ckpt_root).free < 1 << 30
+        error = storage_error(OSError(28, "", str(d))) if full else storage_error(e) if isinstance(e, OSError) else None
+        if error is None:
+            raise
+        raise error from None
+    record_complete(d, step, rank, world)
     if rank == 0:
-        files = {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*")) if f.is_file()}
-        tmp = d / f".{COMPLETE}.tmp"
-        tmp.write_text(json.dumps({"step": step, "files": files}))
-        os.replace(tmp, d / COMPLETE)
         for old in sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
 
 
-def checkpoint_is_valid(d: Path) -> str | None:
-    """None if the checkpoint is complete, else why not."""
+def checkpoint_problem(d: Path, rank: int = 0, world: int = 1) -> str | None:
+    """None if the checkpoint is complete and its files are what complete.json recorded, else why not (every
+    rank checks every world-th file; all ranks get the same answer)."""
     try:
         files = json.loads((d / COMPLETE).read_text())["files"]
     except (OSError, ValueError, KeyError):
-        return "not marked complete"
-    for rel, size in files.items():
-        f = d / rel
+        files = None
+    problem = "not marked complete" if files is None else None
+    for rel in sorted(files or {})[rank::world]:
+        f, want = d / rel, files[rel]
         if not f.is_file():
-            return f"missing {rel}"
-        if f.stat().st_size != size:
-            return f"truncated {rel} ({f.stat().st_size} of {size} bytes)"
-    return None
+            problem = f"missing {rel}"
+        elif f.stat().st_size != want["size"]:
+            problem = f"truncated {rel} ({f.stat().st_size} of {want['size']} bytes)"
+        elif sha256_file(f) != want["sha256"]:
+            problem = f"{rel} changed since it was written (sha256 mismatch)"
+        if problem:
+            break
+    return next((p for p in _gather(problem, world) if p), None)
 
 
-def newest_valid_checkpoint(ckpt_root: Path, rank: int) -> Path | None:
-    """The newest complete step checkpoint; invalid newer ones are skipped with a warning."""
-    for d in sorted((p for p in ckpt_root.glob("step-*") if p.is_dir()), reverse=True):
-        problem = checkpoint_is_valid(d)
+def newest_valid_checkpoint(ckpt_root: Path, rank: int = 0, world: int = 1, pattern: str = "step-*") -> Path | None:
+    """The newest complete checkpoint (`pattern` names them; their number orders them); invalid newer ones are
+    skipped with a warning."""
+    found = [p for p in ckpt_root.glob(pattern) if p.is_dir() and p.name.rpartition("-")[2].isdigit()]
+    for d in sorted(found, key=lambda p: int(p.name.rpartition("-")[2]), reverse=True):
+        problem = checkpoint_problem(d, rank, world)
         if problem is None:
             return d
         if rank == 0:
@@ -86,16 +163,17 @@ def newest_valid_checkpoint(ckpt_root: Path, rank: int) -> Path | None:
     return None
 
 
-def resume(engines: dict, ckpt_root: Path, rank: int, stage: str) -> dict | None:
+def resume(engines: dict, ckpt_root: Path, rank: int, world: int, stage: str) -> dict | None:
     """Load the newest valid step checkpoint, if any, and say so; return its client state."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    ckpt = newest_valid_checkpoint(ckpt_root, rank)
+    ckpt = newest_valid_checkpoint(ckpt_root, rank, world)
     if ckpt is None:
         return None
-    for name, engine in engines.items():
-        _, client_state = engine.load_checkpoint(str(ckpt), tag=name, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=True)
-    set_rng_state(torch.load(ckpt / f"rng-rank{rank}.pt", weights_only=True))
+    with no_pickled_code():
+        for name, engine in engines.items():
+            _, client_state = engine.load_checkpoint(str(ckpt), tag=name, load_optimizer_states=True,
+                                                     load_lr_scheduler_states=True)
+        set_rng_state(torch.load(ckpt / f"rng-rank{rank}.pt"))
     if rank == 0:
         print(f"[{stage}] resumed from {ckpt} at step {client_state['step']}", flush=True)
     return client_state

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from gptforge.data.chat import ChosenRows, positions
+from gptforge.model.checkpoints import newest_valid_checkpoint, record_complete
 from gptforge.model.engine import min_lr_rate, zero_config
 from gptforge.model.evaluate import verify
 from gptforge.model.losses import causal_lm_loss
@@ -90,23 +90,30 @@ class TrainerMetrics(TrainerCallback):
         return {"train_loss": self.last.get("loss"), "tokens_per_sec": self.throughput.rate()}
 
 
-class NoFinalCheckpoint(TrainerCallback):
-    """No Trainer checkpoint at the last step, as our loops keep none there: the export follows at once, and the
-    Trainer resumed from a checkpoint at max_steps takes one step more than max_steps (seen with DPO)."""
+class Checkpoints(TrainerCallback):
+    """The Trainer's checkpoints kept as ours are: none at the last step (the export follows at once, and a
+    Trainer resumed from a checkpoint at max_steps takes one step more than max_steps, seen with DPO), and each
+    marked complete (gptforge.model.checkpoints.record_complete: every file with its size and sha256), so that
+    a resumed stage skips one that is incomplete or changed."""
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:
             control.should_save = False
         return control
 
+    def on_save(self, args, state, control, **kwargs):
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        rank = torch.distributed.get_rank() if world > 1 else 0
+        record_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step, rank, world)
 
-def resume_point(out_dir: Path, stage: str, rank: int) -> str | None:
-    """The newest Trainer checkpoint to resume from, if any; log that we do."""
-    ckpt_dir = out_dir / "checkpoints"
-    last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
+
+def resume_point(out_dir: Path, stage: str, rank: int, world: int) -> str | None:
+    """The newest complete Trainer checkpoint to resume from, if any (newer incomplete or changed ones skipped
+    with a warning); log that we resume."""
+    last = newest_valid_checkpoint(out_dir / "checkpoints", rank, world, pattern="checkpoint-*")
     if last and rank == 0:
         print(f"[{stage}] resumed from {last}", file=sys.stderr, flush=True)
-    return last
+    return str(last) if last else None
 
 
 def positions_from_mask(model: torch.nn.Module) -> torch.nn.Module:

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
+from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.evaluate import policy_and_judge
 from gptforge.model.export import export_trainer
-from gptforge.model.hf_trainer import NoFinalCheckpoint, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
@@ -50,8 +51,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                      loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
     metrics = TrainerMetrics(out_dir / "logs")
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(sft_dir), ref_model=None, args=args,
-                         train_dataset=train, processing_class=tokenizer, callbacks=[metrics, NoFinalCheckpoint()])
-    trainer.train(resume_from_checkpoint=resume_point(out_dir, "dpo", rank))
+                         train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
+    with no_pickled_code():
+        trainer.train(resume_from_checkpoint=resume_point(out_dir, "dpo", rank, world))
     export_trainer(trainer, tokenizer, out_dir / "model")
     barrier()
     return {"global_step": trainer.state.global_step, **metrics.final()}

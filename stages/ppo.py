@@ -128,7 +128,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     order = DistributedOrder(len(prompts), per_rank, rank, world, seed=cfg.run.seed)
     kl_ctl = AdaptiveKLController(pc.beta, oc.kl_target, oc.kl_horizon)
     step = bad_steps = 0
-    state = resume(engines, out_dir / "checkpoints", rank, "ppo")
+    state = resume(engines, out_dir / "checkpoints", rank, world, "ppo")
     if state:
         step, bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
         order.load_state_dict(state["loader"])
@@ -205,7 +205,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     **{k: all_mean(v, device) for k, v in stats.items()})
         if step % pc.save_every == 0 and step < pc.max_steps:
             save_step(engines, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
-                      "kl_coef": kl_ctl.value, "bad_steps": bad_steps}, rank, pc.keep_last)
+                      "kl_coef": kl_ctl.value, "bad_steps": bad_steps}, rank, world, pc.keep_last)
     bar.close()
     log.close()
 

@@ -84,7 +84,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         engine.compile()  # compiles in place: parameter names and checkpoints are unchanged
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
     ckpt_root = out_dir / "checkpoints"
-    state = resume({"model": engine}, ckpt_root, rank, "pretrain")
+    state = resume({"model": engine}, ckpt_root, rank, world, "pretrain")
     step = state["step"] if state else 0
     if state:
         loader.load_state_dict(state["loader"])
@@ -132,7 +132,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             val_loss = evaluate(engine, val_tokens, pc, rank, world, device)
             log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
         if step % pc.save_every == 0 and step < pc.max_steps:
-            save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank,
+            save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, world,
                       pc.keep_last)
     bar.close()
     log.close()

@@ -114,7 +114,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         model.gradient_checkpointing_enable()
     engine, scheduler, grad_accum = init_engine(model, rc, dist, world, device)
     order = DistributedOrder(len(train.examples), rc.micro_batch_size, rank, world, seed=cfg.run.seed)
-    state = resume({"model": engine}, out_dir / "checkpoints", rank, "reward")
+    state = resume({"model": engine}, out_dir / "checkpoints", rank, world, "reward")
     step = state["step"] if state else 0
     if state:
         order.load_state_dict(state["loader"])
@@ -147,7 +147,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             log.log(step, reward_accuracy=accuracy, reward_margin=margin)
         if step % rc.save_every == 0 and step < rc.max_steps:
             save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict()},
-                        rank, rc.keep_last)
+                        rank, world, rc.keep_last)
     bar.close()
     log.close()
 

@@ -18,10 +18,11 @@ from pathlib import Path
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows
+from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.evaluate import policy_and_judge
 from gptforge.model.export import export_trainer
-from gptforge.model.hf_trainer import (NoFinalCheckpoint, TrainerMetrics, answered_dataset, online_rewards,
+from gptforge.model.hf_trainer import (Checkpoints, TrainerMetrics, answered_dataset, online_rewards,
                                        positions_from_mask, resume_point, trainer_kwargs, with_ptx)
 from gptforge.stages.cli import main
 
@@ -52,10 +53,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     metrics = TrainerMetrics(out_dir / "logs")
     policy = positions_from_mask(AutoModelForCausalLM.from_pretrained(sft_dir))
     trainer = trainer_cls(model=policy, args=args, train_dataset=answered_dataset(pairs), processing_class=tokenizer,
-                          callbacks=[metrics, NoFinalCheckpoint()], **rewards)
+                          callbacks=[metrics, Checkpoints()], **rewards)
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
-    trainer.train(resume_from_checkpoint=resume_point(out_dir, "rloo", rank))
+    with no_pickled_code():
+        trainer.train(resume_from_checkpoint=resume_point(out_dir, "rloo", rank, world))
     export_trainer(trainer, tokenizer, out_dir / "model")
     barrier()
     return {"global_step": trainer.state.global_step, **metrics.final()}

@@ -75,7 +75,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         model.gradient_checkpointing_enable()
     engine, scheduler, grad_accum = init_engine(model, sc, dist, world, device)
     order = DistributedOrder(len(examples), sc.micro_batch_size, rank, world, seed=cfg.run.seed)
-    state = resume({"model": engine}, out_dir / "checkpoints", rank, "sft")
+    state = resume({"model": engine}, out_dir / "checkpoints", rank, world, "sft")
     step = state["step"] if state else 0
     if state:
         order.load_state_dict(state["loader"])
@@ -106,8 +106,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, rank, world, device)
             log.log(step, val_loss=loss_val)
         if step % sc.save_every == 0 and step < sc.max_steps:
-            save_step({"model": engine}, out_dir / "checkpoints", step,
-                      {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss}, rank, sc.keep_last)
+            state = {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss}
+            save_step({"model": engine}, out_dir / "checkpoints", step, state, rank, world, sc.keep_last)
     bar.close()
     log.close()
 

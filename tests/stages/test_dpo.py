@@ -59,3 +59,17 @@ def test_a_resumed_dpo_logs_each_step_once(chain, dpo, tmp_path):
 
 def rows(out_dir) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_corrupt_trainer_checkpoint_is_skipped_for_the_one_before(chain, dpo, tmp_path):
+    """A truncated file in the newest Trainer checkpoint: the rerun warns, resumes from the one before and
+    finishes."""
+    cfg, path = prepared(chain, tmp_path, *DPO)
+    killed = locate(cfg, "dpo")[0]
+    shutil.copytree(dpo[1], killed, ignore=shutil.ignore_patterns("manifest.json", "result.json", "model"))
+    optim = next((killed / "checkpoints" / "checkpoint-4").rglob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:1000])
+    manifest, _, out = run_stage(cfg, path, "dpo")
+    assert f"warning: skipping checkpoint {killed / 'checkpoints' / 'checkpoint-4'}: truncated" in out
+    assert f"[dpo] resumed from {killed / 'checkpoints' / 'checkpoint-2'}" in out
+    assert manifest["metrics"]["global_step"] == 6

@@ -4,15 +4,17 @@ resumes to the same result, the export loads without gptforge."""
 import json
 import re
 import shutil
+from pathlib import Path
 import subprocess
 import sys
 
 import pytest
 
 from gptforge.core.errors import DataError
+from gptforge.core.files import sha256_file
 from gptforge.model.checkpoints import newest_valid_checkpoint
 from gptforge.stages.pretrain import load_data
-from tests.helpers import config, kill_after_checkpoint, logged, run_stage, tokenize_in_process
+from tests.helpers import config, kill_after_checkpoint, launch, logged, run_stage, tokenize_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -89,9 +91,46 @@ def test_invalid_checkpoints_are_skipped_with_a_warning(zero2, tmp_path, capsys)
     model_file = next(p for p in (tmp_path / "step-00000025").rglob("*model_states.pt"))
     model_file.write_bytes(model_file.read_bytes()[:100])  # truncated
     (tmp_path / "step-00000020" / "complete.json").unlink()  # never marked complete
-    assert newest_valid_checkpoint(tmp_path, rank=0) == tmp_path / "step-00000015"
+    assert newest_valid_checkpoint(tmp_path) == tmp_path / "step-00000015"
+    rng = tmp_path / "step-00000015" / "rng-rank0.pt"
+    rng.write_bytes(rng.read_bytes()[:-1] + bytes([rng.read_bytes()[-1] ^ 1]))  # one bit, the same size
+    assert newest_valid_checkpoint(tmp_path) is None
     err = capsys.readouterr().err
-    assert "skipping checkpoint" in err and "truncated" in err and "not marked complete" in err
+    for why in ("truncated", "not marked complete", "rng-rank0.pt changed since it was written (sha256 mismatch)"):
+        assert why in err
+
+
+class Payload:
+    """What a pickle can do on load: here, create a file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_a_pickle_planted_in_a_checkpoint_does_not_run(zero2, tmp_path):
+    """A pickle payload in the newest checkpoint, its record forged to match: the resumed stage refuses the file
+    with one error naming it, and the payload never runs (DeepSpeed itself asks torch.load for weights_only=False)."""
+    import torch
+
+    cfg, path = config(tmp_path, "distributed.zero_stage=2")
+    tokenize_in_process(cfg)
+    out_dir = kill_after_checkpoint(cfg, path, "pretrain", step=10)
+    ckpt = newest_valid_checkpoint(out_dir / "checkpoints")
+    target = next(ckpt.rglob("*optim_states.pt"))
+    marker = tmp_path / "payload-ran"
+    state = torch.load(target, weights_only=False)
+    state["planted"] = Payload(marker)
+    torch.save(state, target)
+    record = json.loads((ckpt / "complete.json").read_text())
+    record["files"][str(target.relative_to(ckpt))] = {"size": target.stat().st_size, "sha256": sha256_file(target)}
+    (ckpt / "complete.json").write_text(json.dumps(record))
+    proc = launch(cfg, path, "pretrain")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0 and not marker.exists()
+    assert f"error: {target}: refused to load, it holds more than tensors and plain data" in out, out[-3000:]
 
 
 def test_shards_from_another_tokenizer_are_a_clear_error(zero2, tmp_path):
