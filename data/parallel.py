@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from gptforge.core.errors import UserError
+from gptforge.core.errors import UserError, storage_error
 
 ENV = {"TOKENIZERS_PARALLELISM": "false"}  # one core a task: no thread pools inside tasks
 
@@ -94,4 +94,6 @@ def map_units(fn: Callable, items: list, *shared, in_flight: int | None = None) 
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, UserError):
                 raise e.cause from None
+            if isinstance(e.cause, OSError) and storage_error(e.cause):
+                raise storage_error(e.cause) from None
             raise

@@ -56,7 +56,7 @@ class ShardWriter:
                 self._close()
                 self._open()
             take = min(len(tokens), self.shard_tokens - self._in_shard)
-            tokens[:take].tofile(self._f)
+            self._f.write(tokens[:take].tobytes())  # (a full disk is an OSError with its errno: ENOSPC)
             self._in_shard += take
             self.shards[-1]["tokens"] += take
             tokens = tokens[take:]
@@ -73,6 +73,14 @@ class ShardWriter:
         for s in self.shards:
             os.replace(self.out_dir / f".{s['file']}.tmp", self.out_dir / s["file"])
         return self.shards
+
+    def abort(self) -> None:
+        """Remove what was written (a failed unit leaves no temporary file)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        for s in self.shards:
+            (self.out_dir / f".{s['file']}.tmp").unlink(missing_ok=True)
 
 
 def write_index(shard_dir: Path, index: dict) -> None:

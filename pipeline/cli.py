@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 
 from gptforge.core.config import load_config
-from gptforge.core.errors import UserError
+from gptforge.core.errors import UserError, storage_error
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -24,15 +25,45 @@ def _quiet_prefect_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
+class OneLineUserErrors(logging.Filter):
+    """Prefect logs a failed task's or flow's exception with its traceback; a user's error (bad data, a failed
+    stage) is one line, printed once at the end."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def ephemeral_server():
+    """Start Prefect's ephemeral server (what a run without PREFECT_API_URL talks to) here rather than on first
+    use, so that a watchdog can stop it if this process is killed: a SIGKILLed run leaves no server behind."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from gptforge.pipeline.launch import watchdog
+
+    server = SubprocessASGIServer()  # the instance Prefect's clients find
+    server.start()
+    watchdog(server.server_process.pid, group=False)
+    return server
+
+
 def cmd_run(args) -> int:
     overrides = args.set + ([f"run.name={args.name}"] if args.name else [])
     cfg = load_config(args.config, overrides)  # config errors end here, before anything starts
     _quiet_prefect_env()
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logging.getLogger(name).addFilter(OneLineUserErrors())
     from gptforge.pipeline.flow import pipeline_flow, selected_stages
 
     selected_stages(cfg, args.from_stage, args.only)
+    server = None if os.environ.get("PREFECT_API_URL") else ephemeral_server()
     t0 = time.perf_counter()
-    metrics = pipeline_flow(config=cfg, from_stage=args.from_stage, only=args.only)
+    try:
+        metrics = pipeline_flow(config=cfg, from_stage=args.from_stage, only=args.only)
+    finally:
+        if server is not None:
+            server.stop()  # now, so that its goodbye comes before our last line
     print(f"\nrun {cfg.run.name} finished in {time.perf_counter() - t0:.1f}s")
     print(metrics_table(metrics))
     return 0
@@ -110,6 +141,7 @@ def cmd_stage(args) -> int:
 
 
 def cmd_status(args) -> int:
+    """Without a run name: every run under the root, newest last, then the newest in full."""
     root = Path(args.root)
     if args.run:
         path = root / args.run / "run.json"
@@ -117,6 +149,12 @@ def cmd_status(args) -> int:
         runs = sorted(root.glob("*/run.json"), key=lambda p: p.stat().st_mtime)
         if not runs:
             raise UserError(f"no runs under {root}/")
+        for p in runs:
+            r = json.loads(p.read_text())
+            states = [i.get("status", "?") for i in r["stages"].values()]
+            summary = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)) or "no stages"
+            print(f"{r['name']:40s} {r.get('created_at', ''):26s} {summary}")
+        print()
         path = runs[-1]
     if not path.is_file():
         raise UserError(f"no run record at {path}")
@@ -252,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except OSError as e:
+        error = storage_error(e)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

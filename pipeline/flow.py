@@ -6,13 +6,13 @@ before a stage starts: a complete output with the stage's fingerprint (and intac
 otherwise the stage runs, resuming from its own step checkpoints if it has any.
 """
 
-import shutil
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import deployment, flow_run, task_run
 
 from gptforge.core.config import PipelineConfig, dump_config, load_config
 from gptforge.core.errors import UserError
@@ -24,7 +24,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 @task(task_run_name="{stage}", cache_policy=NO_CACHE)
-def stage_task(stage: str, config_path: str) -> dict:
+def stage_task(stage: str, config_path: str, recompute: bool = False) -> dict:
     cfg = load_config(config_path)
     logger = get_run_logger()
     progress = create_progress_artifact(progress=0.0, key=f"{stage}-progress",
@@ -33,7 +33,9 @@ def stage_task(stage: str, config_path: str) -> dict:
     def on_progress(percent: float) -> None:
         update_progress_artifact(artifact_id=progress, progress=percent)
 
-    manifest = run_stage(cfg, stage, Path(config_path), RunRecord(cfg), logger.info, on_progress)
+    # --from recomputes on the first attempt; a retry resumes from what that attempt checkpointed
+    recompute = recompute and task_run.run_count <= 1
+    manifest = run_stage(cfg, stage, Path(config_path), RunRecord(cfg), logger.info, on_progress, recompute)
     update_progress_artifact(artifact_id=progress, progress=100.0)
     out_dir = locate(cfg, stage)[0]
     create_table_artifact(key=f"{stage}-metrics",
@@ -62,22 +64,23 @@ def pipeline_flow(config: PipelineConfig = load_config(DEFAULT_CONFIG), from_sta
     """Run the pipeline: each stage reused when complete, else computed (or resumed from its checkpoints).
     `from_stage` recomputes from that stage on; `only` runs one stage on existing inputs."""
     stages = selected_stages(config, from_stage, only)
+    config = named_for_this_run(config)
     record = RunRecord(config)
     resolved = record.dir / "config.yaml"
     resolved.write_text(dump_config(config))
     run_task = stage_task.with_options(retries=config.run.retries, retry_delay_seconds=config.run.retry_delay)
     metrics = {}
     for stage in stages:
-        if from_stage:
-            _invalidate(config, stage)
-        metrics[stage] = run_task(stage, str(resolved))["metrics"]
+        metrics[stage] = run_task(stage, str(resolved), recompute=from_stage is not None)["metrics"]
     _, markdown = write_report(record.dir)
     create_markdown_artifact(key="run-report", markdown=markdown, description=f"report of run {config.run.name}")
     return metrics
 
 
-def _invalidate(cfg: PipelineConfig, stage: str) -> None:
-    """`--from`: recompute this stage even if complete (its output is removed, checkpoints too)."""
-    out_dir, _, _ = locate(cfg, stage)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
+def named_for_this_run(config: PipelineConfig) -> PipelineConfig:
+    """A deployment's runs (from the UI, from the schedule) each get a run directory of their own: the run name
+    plus the flow run's start time and the start of its id. A `gptforge run` keeps the name it was given."""
+    if deployment.id is None:
+        return config
+    stamp = f"{flow_run.scheduled_start_time:%Y%m%d-%H%M%S}-{flow_run.id[:6]}"
+    return config.model_copy(update={"run": config.run.model_copy(update={"name": f"{config.run.name}-{stamp}"})})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import re
 import signal
 import subprocess
@@ -80,28 +81,44 @@ def stage_lock(out_dir: Path):
 
 
 def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRecord, log: Callable[[str], None],
-              on_progress: Callable[[float], None] | None = None) -> dict:
-    """Reuse or compute one stage (or evaluation step); return its manifest."""
+              on_progress: Callable[[float], None] | None = None, recompute: bool = False) -> dict:
+    """Reuse or compute one stage (or evaluation step); return its manifest. `recompute` (--from) removes a
+    complete output first, under the stage's lock."""
     out_dir, fingerprint, inputs = locate(cfg, stage)
     started = time.perf_counter()
-    manifest = read_manifest(out_dir)
+    manifest = None if recompute else read_manifest(out_dir)
     if manifest is not None:
         log(f"{stage}: reused complete output {out_dir} (fingerprint {fingerprint[:16]})")
         record.update(stage, output=str(out_dir), action="reused", status="complete", started_at=now(),
                       finished_at=now(), seconds=round(time.perf_counter() - started, 2), metrics=manifest["metrics"])
         return manifest
     check_inputs(stage, inputs)
-    action = "resumed" if (out_dir / "checkpoints").is_dir() else "computed"
-    record.update(stage, output=str(out_dir), action=action, status="running", started_at=now())
-    log(f"{stage}: {'resuming' if action == 'resumed' else 'running'} -> {out_dir}")
-    with stage_lock(out_dir):
+    with stage_lock(out_dir):  # everything that writes the output happens under the lock, --from's removal too
+        if recompute and out_dir.exists():
+            shutil.rmtree(out_dir)
+        action = "resumed" if (out_dir / "checkpoints").is_dir() else "computed"
+        record.update(stage, output=str(out_dir), action=action, status="running", started_at=now())
+        log(f"{stage}: {'resuming' if action == 'resumed' else 'running'} -> {out_dir}")
         began = now()
         cmd = stage_command(cfg, stage, config_path, out_dir, {up: d for up, (d, _) in inputs.items()})
-        rc = run_streaming(cmd, log, env=stage_env(), on_progress=on_progress)
+        errors: list[str] = []
+
+        def log_line(line: str) -> None:
+            if "error: " in line:
+                errors.append(line.split("error: ", 1)[1])  # (after a progress bar's carriage returns)
+            log(line)
+
+        try:
+            rc = run_streaming(cmd, log_line, env=stage_env(), on_progress=on_progress)
+        except BaseException as e:  # cancelled (SIGTERM), interrupted, or we failed
+            record.update(stage, status="cancelled" if isinstance(e, (Terminated, KeyboardInterrupt))
+                          or type(e).__name__ == "TerminationSignal" else "crashed", finished_at=now())
+            raise
         result = read_result(out_dir)
         if rc != 0 or result is None:
             record.update(stage, status="failed", finished_at=now())
-            raise StageFailed(f"stage {stage} failed (exit code {rc}); its output {out_dir} is left incomplete")
+            why = errors[-1] if errors else f"exit code {rc}"
+            raise StageFailed(f"stage {stage} failed: {why} (its output {out_dir} is left incomplete)")
         manifest = complete(cfg, stage, out_dir, fingerprint, inputs, stage_entry(stage)[1], result, began)
     record.update(stage, status="complete", finished_at=now(), metrics=manifest["metrics"],
                   seconds=round(time.perf_counter() - started, 2))
@@ -125,6 +142,7 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
     If we are interrupted or sent SIGTERM (a cancelled flow run), the whole group is killed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, **(env or {})}, start_new_session=True)
+    guard = watchdog(proc.pid, group=True)
     previous = None
     # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it. Inside a
     # flow run Prefect's own handler is installed: it raises TerminationSignal here, which kills the group
@@ -155,8 +173,37 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
         kill_group(proc)
         raise
     finally:
+        guard.kill()
+        guard.wait()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+WATCHDOG = """
+import os, signal, sys, time
+parent, target, group = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "group"
+kill = os.killpg if group else os.kill
+while os.getppid() == parent:  # reparented once the process that started us is gone, however it went
+    time.sleep(1)
+    try:
+        kill(target, 0)
+    except ProcessLookupError:
+        sys.exit(0)  # what we guard ended by itself
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        kill(target, sig)
+    except ProcessLookupError:
+        sys.exit(0)
+    time.sleep(5)
+"""
+
+
+def watchdog(target: int, group: bool) -> subprocess.Popen:
+    """A small process that kills `target` (a process group, or one process) once this process is gone, even by
+    SIGKILL, which no handler of ours sees: a stage's ranks never train on without the run that started them."""
+    return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(target),
+                             "group" if group else "pid"], start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class Terminated(BaseException):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig, load_config
-from gptforge.core.errors import UserError
+from gptforge.core.errors import UserError, storage_error
 from gptforge.core.files import write_json_atomic
 from gptforge.model.metrics import check_names
 
@@ -59,6 +59,12 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
     try:
         inputs = dict(_input(item) for item in args.input)
         run_stage(run, load_config(args.config, args.set), inputs, args.out)
+    except OSError as e:
+        error = storage_error(e)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -19,3 +19,20 @@ class DataError(UserError):
 
 class InputError(UserError):
     """A stage's input stage has no complete output to consume."""
+
+
+class StorageError(UserError):
+    """The run root (or a file a stage writes) cannot be written: read-only, no permission, or full."""
+
+
+STORAGE_ERRNOS = {13: "no permission", 1: "not permitted", 30: "read-only file system", 28: "no space left",
+                  122: "disk quota exceeded"}  # EACCES, EPERM, EROFS, ENOSPC, EDQUOT
+
+
+def storage_error(e: OSError) -> StorageError | None:
+    """The user-facing error for an OSError a full, read-only or forbidden run root causes (None for others)."""
+    if e.errno not in STORAGE_ERRNOS:
+        return None
+    hint = "free some space and run again: finished steps and checkpoints are kept" if e.errno in (28, 122) else \
+        "make it writable or set run.root to a folder you can write"
+    return StorageError(f"cannot write {e.filename or 'the run root'}: {STORAGE_ERRNOS[e.errno]} ({hint})")

@@ -7,16 +7,23 @@ import json
 import os
 from pathlib import Path
 
+from gptforge.core.errors import storage_error
+
 
 def write_json_atomic(path: Path, obj) -> None:
-    """Write to a temp name, fsync, rename, fsync the folder: readers see the old file or the whole new one."""
+    """Write to a temp name, fsync, rename, fsync the folder: readers see the old file or the whole new one.
+    A failed write (a full or read-only disk) leaves no temp file behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise storage_error(e) or e from None
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -1,6 +1,9 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import TINY
 
@@ -21,3 +24,22 @@ def test_unknown_stage_is_one_line(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: unknown stage 'pretrian'") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_failed_stage_ends_the_run_with_its_own_error_line(tmp_path):
+    """`gptforge run` whose pretrain stage finds too little data: no framework traceback, and the last line is the
+    stage's own error."""
+    from tests.helpers import config
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"a short document number {i}\n" for i in range(200)))
+    _, path = config(tmp_path, f"data.pretrain={corpus}", "sft.enabled=false", "reward.enabled=false",
+                     "preference.enabled=false")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(path)], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage pretrain failed: the val split holds") and "pretrain.seq_len" in last, last

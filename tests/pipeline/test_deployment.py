@@ -80,21 +80,34 @@ def wait(flow_run, timeout=300):
             time.sleep(1)
 
 
-def run_json(cfg) -> dict:
-    return json.loads((Path(cfg.run.root) / cfg.run.name / "run.json").read_text())
+def run_dir(cfg, flow_run) -> Path:
+    """A deployment's run writes <root>/<run.name>-<start time>-<flow run id[:6]>/."""
+    (found,) = Path(cfg.run.root).glob(f"{cfg.run.name}-*-{str(flow_run.id)[:6]}")
+    return found
+
+
+def run_json(cfg, flow_run) -> dict:
+    return json.loads((run_dir(cfg, flow_run) / "run.json").read_text())
 
 
 def test_run_with_custom_parameters_then_reuse(served, tmp_path):
     cfg, _ = config(tmp_path, *PIPE, "pretrain.max_steps=6", "run.name=custom")
-    assert wait(start(cfg)).is_completed()
-    record = run_json(cfg)
+    first = start(cfg)
+    assert wait(first).is_completed()
+    record = run_json(cfg, first)
     assert {s: i["action"] for s, i in record["stages"].items()} == {"tokenize": "computed", "pretrain": "computed"}
     assert record["stages"]["pretrain"]["metrics"]["global_step"] == 6  # the custom parameter took effect
-    assert (Path(cfg.run.root) / "custom" / "report.md").is_file()
+    assert (run_dir(cfg, first) / "report.md").is_file()
     t0 = time.time()
-    assert wait(start(cfg)).is_completed()
-    assert {i["action"] for i in run_json(cfg)["stages"].values()} == {"reused"}
+    second = start(cfg)
+    assert wait(second).is_completed()
+    assert {i["action"] for i in run_json(cfg, second)["stages"].values()} == {"reused"}
     print(f"rerun with nothing changed: {time.time() - t0:.1f}s")
+    # each run has its own directory, and `gptforge status` lists both
+    status = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "status", "--root", cfg.run.root],
+                            capture_output=True, text=True)
+    assert status.returncode == 0 and run_dir(cfg, first).name in status.stdout and \
+        run_dir(cfg, second).name in status.stdout and "2 complete" in status.stdout
 
 
 def test_config_typo_fails_before_any_stage(served, tmp_path):
@@ -132,6 +145,7 @@ def test_cancel_kills_every_stage_process(served, tmp_path):
         time.sleep(0.5)
     state = wait(run, 120)
     assert state.is_cancelled(), state
+    assert run_json(cfg, run)["stages"]["pretrain"]["status"] == "cancelled"
 
 
 def test_killed_stage_is_resumed_by_the_retry(served, tmp_path):
@@ -150,5 +164,5 @@ def test_killed_stage_is_resumed_by_the_retry(served, tmp_path):
             except ProcessLookupError:
                 pass
     assert wait(run).is_completed()
-    record = run_json(cfg)["stages"]["pretrain"]
+    record = run_json(cfg, run)["stages"]["pretrain"]
     assert record["action"] == "resumed" and record["metrics"]["global_step"] == 60

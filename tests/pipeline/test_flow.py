@@ -48,3 +48,23 @@ def test_missing_data_file_is_one_line(small_cfg, tmp_path):
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"error: file not found: {tmp_path / 'missing.txt'}"
+
+
+def test_from_never_removes_an_output_another_run_is_writing(prefect_server, small_cfg):
+    """`--from` removes a stage's output under the stage's lock: a second run, refused by the lock, has deleted
+    nothing of the first's."""
+    import fcntl
+
+    import pytest
+
+    from gptforge.core.errors import UserError
+    from gptforge.pipeline.store import locate, read_manifest
+
+    cfg = small_cfg(*ONLY_TOKENIZE)
+    pipeline_flow(config=cfg)
+    out_dir = locate(cfg, "tokenize")[0]
+    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:  # another run is writing it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.raises(UserError, match="another run is writing"):
+            pipeline_flow(config=cfg, from_stage="tokenize")
+    assert read_manifest(out_dir) is not None  # nothing was removed

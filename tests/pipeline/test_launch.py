@@ -1,6 +1,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 from gptforge.core.config import load_config
 from gptforge.pipeline.launch import stage_command
 from tests.conftest import TINY
@@ -79,3 +81,62 @@ def test_sigterm_kills_the_whole_stage_group(tmp_path):
     while stage_pids(marker):
         assert time.time() < deadline, f"still alive: {stage_pids(marker)}"
         time.sleep(0.2)
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
+    """SIGKILL reaches no handler of `gptforge run`; its watchdogs stop the stage's ranks and the ephemeral Prefect
+    server it started."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from gptforge.pipeline.store import locate
+    from tests.helpers import config
+
+    cfg, path = config(tmp_path, "sft.enabled=false", "reward.enabled=false", "preference.enabled=false",
+                       "pretrain.max_steps=100000", "pretrain.save_every=100000")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(path)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while not (locate(cfg, "pretrain")[0] / "logs").exists():  # the ranks are training
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.5)
+    time.sleep(3)
+    tree = descendants(proc.pid)
+    names = " ".join(Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace") for p in tree if alive(p))
+    assert "gptforge.stages.pretrain" in names and "uvicorn" in names  # the ranks and the ephemeral server
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 60
+    while [p for p in tree if alive(p)]:
+        assert time.time() < deadline, f"still alive: {[p for p in tree if alive(p)]}"
+        time.sleep(0.5)
+    log.close()

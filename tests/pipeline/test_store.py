@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from gptforge.core.errors import InputError
-from gptforge.core.files import write_json_atomic
 from gptforge.pipeline.store import execute, fingerprints, locate, read_manifest
 
 
@@ -70,13 +69,6 @@ def test_changed_data_file_changes_its_stage_and_downstream(small_cfg, tmp_path)
     base = fingerprints(small_cfg())
     assert changed(base, fingerprints(small_cfg(f"data.sft={chat}"))) == [
         "sft", "eval-sft", "reward", "dpo", "eval-dpo"]
-
-
-def test_atomic_json_leaves_no_temp_files(tmp_path):
-    write_json_atomic(tmp_path / "a.json", {"x": 1})
-    write_json_atomic(tmp_path / "a.json", {"x": 2})
-    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 2}
-    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
 
 
 KILLED_STAGE = """
