@@ -78,7 +78,7 @@ def record_complete(d: Path, step: int, rank: int, world: int) -> None:
     mine = {rel: {"size": (d / rel).stat().st_size, "sha256": sha256_file(d / rel)} for rel in files[rank::world]}
     records = {k: v for part in _gather(mine, world) for k, v in part.items()}
     if rank == 0:
-        write_json_atomic(d / COMPLETE, {"step": step, "files": dict(sorted(records.items()))})
+        write_json_atomic(d / COMPLETE, {"step": step, "world": world, "files": dict(sorted(records.items()))})
     if world > 1:
         barrier()
 
@@ -163,17 +163,51 @@ def newest_valid_checkpoint(ckpt_root: Path, rank: int = 0, world: int = 1, patt
     return None
 
 
-def resume(engines: dict, ckpt_root: Path, rank: int, world: int, stage: str) -> dict | None:
-    """Load the newest valid step checkpoint, if any, and say so; return its client state."""
+def find_checkpoint(ckpt_root: Path, rank: int, world: int) -> tuple[Path | None, bool]:
+    """The newest valid step checkpoint (None: start from scratch) and whether another number of processes wrote
+    it: then it is resumed elastically, through DeepSpeed's universal checkpoint (`init_engine(universal=True)`)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     ckpt = newest_valid_checkpoint(ckpt_root, rank, world)
     if ckpt is None:
+        return None, False
+    return ckpt, json.loads((ckpt / COMPLETE).read_text()).get("world", world) != world
+
+
+def to_universal(ckpt: Path, names, rank: int) -> None:
+    """Rank 0 converts each engine's ZeRO shards of `ckpt` into DeepSpeed's universal checkpoint (parameters and
+    optimizer states whole, for any number of processes) beside them, `<name>-universal/`; the others wait."""
+    if rank == 0:
+        from argparse import Namespace
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        for name in names:
+            out = ckpt / f"{name}-universal"
+            if not (out / ".done").is_file():
+                shutil.rmtree(out, ignore_errors=True)
+                with no_pickled_code():  # in this process (one worker): the same guard as every other load
+                    ds_to_universal.main(Namespace(input_folder=str(ckpt / name), output_folder=str(out),
+                                                   num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                                   strict=True, inject_missing_state=True))
+                (out / ".done").touch()
+    barrier()
+
+
+def resume(engines: dict, ckpt: Path | None, elastic: bool, rank: int, world: int, stage: str) -> dict | None:
+    """Load a step checkpoint from `find_checkpoint`, if any, and say so; return its client state. An elastic
+    resume loads the universal checkpoint; the ranks the old run did not have start their RNGs afresh."""
+    if ckpt is None:
         return None
+    if elastic:
+        to_universal(ckpt, engines, rank)
     with no_pickled_code():
         for name, engine in engines.items():
-            _, client_state = engine.load_checkpoint(str(ckpt), tag=name, load_optimizer_states=True,
-                                                     load_lr_scheduler_states=True)
-        set_rng_state(torch.load(ckpt / f"rng-rank{rank}.pt"))
+            _, client_state = engine.load_checkpoint(str(ckpt), tag=f"{name}-universal" if elastic else name,
+                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+        if (ckpt / f"rng-rank{rank}.pt").is_file():
+            set_rng_state(torch.load(ckpt / f"rng-rank{rank}.pt"))
     if rank == 0:
-        print(f"[{stage}] resumed from {ckpt} at step {client_state['step']}", flush=True)
+        how = f" (written by {json.loads((ckpt / COMPLETE).read_text())['world']} processes, now {world})" \
+            if elastic else ""
+        print(f"[{stage}] resumed from {ckpt} at step {client_state['step']}{how}", flush=True)
     return client_state

@@ -65,12 +65,14 @@ def lr_schedule(optimizer, train):
                                                         min_lr_rate=min_lr_rate(train))
 
 
-def init_engine(model, train, dist, world: int, device: torch.device):
-    """deepspeed.initialize with AdamW (decay on matrices), warmup+cosine lr and the section's batch.
-    Returns (engine, scheduler, gradient accumulation steps)."""
+def init_engine(model, train, dist, world: int, device: torch.device, universal: bool = False):
+    """deepspeed.initialize with AdamW (decay on matrices), warmup+cosine lr and the section's batch; `universal`:
+    to load a universal checkpoint (an elastic resume). Returns (engine, scheduler, gradient accumulation steps)."""
     import deepspeed
 
     config = deepspeed_config(dist, train, world, device)
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     with startup_oom(dist, train):
         engine, _, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, train.weight_decay), config=config,

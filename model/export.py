@@ -55,10 +55,33 @@ def context_length(config) -> int:
 
 
 def export_hf(model, state_dict: dict, tokenizer, out: Path) -> None:
-    """Write a model and its weights (from `full_state_dict`) as a Hugging Face directory (rank 0)."""
+    """Write a model and its weights (from `full_state_dict`) as a Hugging Face directory (rank 0); a tied weight
+    (GPT-2's lm_head is its embedding) is stored once, even when gathered as a copy."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    tied = model.all_tied_weights_keys  # {tied: the weight it is}
+    model.save_pretrained(out, state_dict={k: v for k, v in state_dict.items() if k not in tied},
+                          safe_serialization=True)
     save_tokenizer_and_generation_config(tokenizer, out, context_length(model.config))
+
+
+def drop_tied_copies(model, out: Path) -> None:
+    """Rewrite the safetensors files of `out` without the tied weights' copies (the Trainer's ZeRO-3 gather)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tied = set(model.all_tied_weights_keys)
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            keys, meta = list(st.keys()), st.metadata()
+            if tied & set(keys):
+                save_file({k: st.get_tensor(k) for k in keys if k not in tied}, str(f), metadata=meta)
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if k not in tied}
+        index.write_text(json.dumps(data, indent=2))
 
 
 def export_trainer(trainer, tokenizer, out: Path) -> None:
@@ -67,4 +90,6 @@ def export_trainer(trainer, tokenizer, out: Path) -> None:
     trainer.save_model(str(out))
     if trainer.accelerator.is_main_process:
         (out / "training_args.bin").unlink(missing_ok=True)  # a pickle; the manifest holds the config
-        save_tokenizer_and_generation_config(tokenizer, out, context_length(trainer.model.config))
+        model = getattr(trainer.model, "module", trainer.model)
+        drop_tied_copies(model, out)
+        save_tokenizer_and_generation_config(tokenizer, out, context_length(model.config))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from gptforge.core.config import load_config
-from gptforge.core.errors import UserError, storage_error
+from gptforge.core.errors import ConfigError, UserError, storage_error
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -62,8 +62,9 @@ def cmd_run(args) -> int:
     try:
         metrics = pipeline_flow(config=cfg, from_stage=args.from_stage, only=args.only)
     finally:
+        logging.disable(logging.CRITICAL)  # the run is over: Prefect's goodbyes would come after our last line
         if server is not None:
-            server.stop()  # now, so that its goodbye comes before our last line
+            server.stop()
     print(f"\nrun {cfg.run.name} finished in {time.perf_counter() - t0:.1f}s")
     print(metrics_table(metrics))
     return 0
@@ -124,11 +125,18 @@ def cmd_up(args) -> int:
 
 def cmd_stage(args) -> int:
     """One stage in this process (one rank of it under a launcher: rank 0 records it)."""
+    from gptforge.pipeline.nodes import single_process
     from gptforge.pipeline.store import UPSTREAM, RunRecord, execute, now
 
     cfg = load_config(args.config, args.set)
     if args.stage not in UPSTREAM:
         raise UserError(f"unknown stage {args.stage!r}; stages: {', '.join(UPSTREAM)}")
+    world, want = int(os.environ.get("WORLD_SIZE", "1")), cfg.distributed.world_size
+    if not single_process(args.stage) and world != want:
+        raise ConfigError(f"distributed asks for {want} processes (nproc_per_node={cfg.distributed.nproc_per_node} x "
+                          f"nnodes={cfg.distributed.nnodes}) but this `gptforge stage` runs as {world}: start it on "
+                          "each node under a launcher with as many (torchrun --nproc_per_node ... --nnodes ...), or "
+                          "use `gptforge run`, which starts them")
     rank0 = os.environ.get("RANK", "0") == "0"
     record = RunRecord(cfg) if rank0 else None
     if record:

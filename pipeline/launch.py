@@ -1,16 +1,18 @@
-"""Running a stage: reuse its complete output, or start its processes under the configured launcher as a
-child process group, stream their output, and record the output complete once they all exit cleanly.
+"""Running a stage: reuse its complete output, or start its processes on every node (gptforge.pipeline.nodes),
+each command as a child process group, stream their output, and record the output complete once they all exit
+cleanly; if one fails, the others are stopped and the stage fails with that one's own error line.
 
-The child gets its own session (process group), so cancelling the pipeline kills the stage and every
-process its launcher started, not only the launcher itself.
+Each child gets its own session (process group), so cancelling the pipeline kills the stage and every process
+its launcher started, not only the launcher itself; a watchdog does the same if this process is killed.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import re
+import shutil
+import selectors
 import signal
 import subprocess
 import sys
@@ -22,46 +24,9 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
-from gptforge.pipeline.store import (RunRecord, check_inputs, complete, locate, module_of, now, read_manifest,
-                                     read_result, stage_entry)
-from gptforge.stages.cli import stage_args
-
-# TRL trainers need accelerate's launcher to see the world size (see gptforge/model/hf_trainer.py).
-ACCELERATE_ONLY = {"dpo", "grpo", "rloo"}
-
-
-def single_process(step: str) -> bool:
-    """Tokenizing (its own worker pool) and evaluation run as one process, without a launcher."""
-    return step == "tokenize" or step.startswith("eval-")
-
-
-def stage_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: Path,
-                  inputs: dict[str, Path]) -> list[str]:
-    """The command line that runs a stage into `out_dir` on `inputs` under the configured launcher."""
-    module, args = f"gptforge.stages.{module_of(stage)}", stage_args(config_path, out_dir, inputs)
-    if single_process(stage):
-        return [sys.executable, "-m", module, *args]
-    d = cfg.distributed
-    launcher = "accelerate" if stage in ACCELERATE_ONLY else d.launcher
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}",
-               f"--nnodes={d.nnodes}", f"--node_rank={d.node_rank}", f"--master_addr={d.master_addr}",
-               f"--master_port={d.master_port}"]
-    elif launcher == "accelerate":
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
-               "--zero_stage", str(d.zero_stage), "--num_processes", str(d.world_size),
-               "--num_machines", str(d.nnodes), "--machine_rank", str(d.node_rank),
-               "--main_process_ip", d.master_addr, "--main_process_port", str(d.master_port)]
-        if d.nnodes > 1:
-            cmd += ["--deepspeed_multinode_launcher", "standard"]
-    else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(d.master_port)]
-        if d.hostfile:
-            cmd += ["--hostfile", d.hostfile, "--master_addr", d.master_addr]
-        else:
-            cmd += ["--num_nodes", "1", "--num_gpus", str(d.nproc_per_node)]
-        return [*cmd, "--module", module, *args]
-    return [*cmd, "-m", module, *args]
+from gptforge.pipeline.nodes import node_commands, node_env, rendezvous
+from gptforge.pipeline.store import (RunRecord, check_inputs, complete, locate, now, read_manifest, read_result,
+                                     stage_entry)
 
 
 class StageFailed(UserError):
@@ -100,7 +65,6 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
         record.update(stage, output=str(out_dir), action=action, status="running", started_at=now())
         log(f"{stage}: {'resuming' if action == 'resumed' else 'running'} -> {out_dir}")
         began = now()
-        cmd = stage_command(cfg, stage, config_path, out_dir, {up: d for up, (d, _) in inputs.items()})
         errors: list[str] = []
 
         def log_line(line: str) -> None:
@@ -109,7 +73,11 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
             log(line)
 
         try:
-            rc = run_streaming(cmd, log_line, env=stage_env(), on_progress=on_progress)
+            env = node_env(cfg, stage)
+            with rendezvous(cfg, stage) as port:
+                cmds = node_commands(cfg, stage, config_path, out_dir, {up: d for up, (d, _) in inputs.items()},
+                                     port, env)
+                rc = run_streaming(cmds, log_line, env=env, on_progress=on_progress)
         except BaseException as e:  # cancelled (SIGTERM), interrupted, or we failed
             record.update(stage, status="cancelled" if isinstance(e, (Terminated, KeyboardInterrupt))
                           or type(e).__name__ == "TerminationSignal" else "crashed", finished_at=now())
@@ -125,24 +93,18 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
     return manifest
 
 
-def stage_env() -> dict[str, str]:
-    """Environment for stage processes: DeepSpeed's CPU accelerator where there is no GPU."""
-    import torch
-
-    return {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
-
-
 _PROGRESS = re.compile(rb"(\d+)%\|")
 
 
-def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None = None,
+def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict | None = None,
                   on_progress: Callable[[float], None] | None = None, progress_every: float = 10.0) -> int:
-    """Run cmd in its own process group, passing each output line to `log`; progress-bar redraws are
-    logged (and passed to `on_progress` as a percentage) at most every `progress_every` seconds.
-    If we are interrupted or sent SIGTERM (a cancelled flow run), the whole group is killed."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    guard = watchdog(proc.pid, group=True)
+    """Run each command in its own process group, passing every output line to `log` (prefixed by its node when
+    there are several); progress-bar redraws are logged (and passed to `on_progress` as a percentage) at most
+    every `progress_every` seconds. Returns 0 once all exit cleanly, or the first failure's exit code, the
+    others killed. If we are interrupted or sent SIGTERM (a cancelled flow run), every group is killed."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env={**os.environ, **(env or {})}, start_new_session=True) for cmd in cmds]
+    guards = [watchdog(p.pid, group=True) for p in procs]
     previous = None
     # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it. Inside a
     # flow run Prefect's own handler is installed: it raises TerminationSignal here, which kills the group
@@ -151,30 +113,52 @@ def run_streaming(cmd: list[str], log: Callable[[str], None], env: dict | None =
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     last_progress = 0.0
-    buf = b""
+    buffers = {p.stdout.fileno(): (n, p, [b""]) for n, p in enumerate(procs)}
+    selector = selectors.DefaultSelector()
+    for fd in buffers:
+        selector.register(fd, selectors.EVENT_READ)
+
+    def emit(n: int, raw: bytes) -> None:
+        nonlocal last_progress
+        if not raw.strip():
+            return
+        progress = _PROGRESS.search(raw)
+        if progress:
+            if time.monotonic() - last_progress < progress_every and progress.group(1) != b"100":
+                return
+            last_progress = time.monotonic()
+            if on_progress:
+                on_progress(float(progress.group(1)))
+        log((f"[node {n}] " if len(procs) > 1 else "") + raw.decode("utf-8", "replace").rstrip())
+
     try:
-        while chunk := os.read(proc.stdout.fileno(), 65536):
-            *lines, buf = re.split(rb"[\r\n]", buf + chunk)
-            for raw in lines:
-                if not raw.strip():
+        while buffers:
+            for key, _ in selector.select():
+                n, proc, buf = buffers[key.fd]
+                chunk = os.read(key.fd, 65536)
+                if chunk:
+                    *lines, buf[0] = re.split(rb"[\r\n]", buf[0] + chunk)
+                    for raw in lines:
+                        emit(n, raw)
                     continue
-                progress = _PROGRESS.search(raw)
-                if progress:
-                    if time.monotonic() - last_progress < progress_every and progress.group(1) != b"100":
-                        continue
-                    last_progress = time.monotonic()
-                    if on_progress:
-                        on_progress(float(progress.group(1)))
-                log(raw.decode("utf-8", "replace").rstrip())
-        if buf.strip():
-            log(buf.decode("utf-8", "replace").rstrip())
-        return proc.wait()
+                emit(n, buf[0])  # the end of this node's output
+                selector.unregister(key.fd)
+                del buffers[key.fd]
+                rc = proc.wait()
+                if rc != 0:
+                    for other in procs:
+                        kill_group(other)
+                    return rc
+        return 0
     except BaseException:
-        kill_group(proc)
+        for proc in procs:
+            kill_group(proc)
         raise
     finally:
-        guard.kill()
-        guard.wait()
+        selector.close()
+        for guard in guards:
+            guard.kill()
+            guard.wait()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

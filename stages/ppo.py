@@ -28,7 +28,7 @@ from gptforge.core.errors import UserError
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows, left_pad, positions, prompt_ids
 from gptforge.data.loader import DistributedOrder
-from gptforge.model.checkpoints import resume, save_step
+from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import grad_norm, init_engine
 from gptforge.model.evaluate import policy_and_judge, reward_scores, stop_ids, verify
@@ -122,13 +122,15 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     updates = oc.ppo_epochs * minibatches
     section = pc.model_copy(update={"global_batch_size": pc.micro_batch_size * world,
                                     "max_steps": pc.max_steps * updates, "warmup_steps": pc.warmup_steps * updates})
-    actor_engine, actor_sched, _ = init_engine(actor, section, dist, world, device)
-    critic_engine, _, _ = init_engine(critic, section.model_copy(update={"lr": oc.critic_lr}), dist, world, device)
+    ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
+    actor_engine, actor_sched, _ = init_engine(actor, section, dist, world, device, elastic)
+    critic_engine, _, _ = init_engine(critic, section.model_copy(update={"lr": oc.critic_lr}), dist, world, device,
+                                      elastic)
     engines = {"actor": actor_engine, "critic": critic_engine}
     order = DistributedOrder(len(prompts), per_rank, rank, world, seed=cfg.run.seed)
     kl_ctl = AdaptiveKLController(pc.beta, oc.kl_target, oc.kl_horizon)
     step = bad_steps = 0
-    state = resume(engines, out_dir / "checkpoints", rank, world, "ppo")
+    state = resume(engines, ckpt, elastic, rank, world, "ppo")
     if state:
         step, bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
         order.load_state_dict(state["loader"])

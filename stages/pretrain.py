@@ -20,7 +20,7 @@ from gptforge.core.errors import DataError
 from gptforge.data.loader import TokenWindows, eval_batches
 from gptforge.data.shards import TokenStream, read_index
 from gptforge.model.build import build_model, flops_per_token, peak_flops
-from gptforge.model.checkpoints import resume, save_step
+from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
 from gptforge.model.engine import grad_norm, init_engine, startup_oom
 from gptforge.model.export import export_hf, full_state_dict
@@ -79,12 +79,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
     n_params = model.num_parameters()
-    engine, scheduler, grad_accum = init_engine(model, pc, dist, world, device)
+    ckpt_root = out_dir / "checkpoints"
+    ckpt, elastic = find_checkpoint(ckpt_root, rank, world)
+    engine, scheduler, grad_accum = init_engine(model, pc, dist, world, device, elastic)
     if pc.compile:
         engine.compile()  # compiles in place: parameter names and checkpoints are unchanged
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
-    ckpt_root = out_dir / "checkpoints"
-    state = resume({"model": engine}, ckpt_root, rank, world, "pretrain")
+    state = resume({"model": engine}, ckpt, elastic, rank, world, "pretrain")
     step = state["step"] if state else 0
     if state:
         loader.load_state_dict(state["loader"])

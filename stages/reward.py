@@ -22,7 +22,7 @@ from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.data.chat import collate, encode_pairs
 from gptforge.data.loader import DistributedOrder
-from gptforge.model.checkpoints import resume, save_step
+from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import grad_norm, init_engine
 from gptforge.model.evaluate import generate
@@ -112,9 +112,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    engine, scheduler, grad_accum = init_engine(model, rc, dist, world, device)
+    ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
+    engine, scheduler, grad_accum = init_engine(model, rc, dist, world, device, elastic)
     order = DistributedOrder(len(train.examples), rc.micro_batch_size, rank, world, seed=cfg.run.seed)
-    state = resume({"model": engine}, out_dir / "checkpoints", rank, world, "reward")
+    state = resume({"model": engine}, ckpt, elastic, rank, world, "reward")
     step = state["step"] if state else 0
     if state:
         order.load_state_dict(state["loader"])

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from gptforge.core.config import dump_config, load_config
-from gptforge.pipeline.launch import StageFailed, stage_command, stage_env
+from gptforge.pipeline.launch import StageFailed
 from gptforge.pipeline.launch import run_stage as run_step
+from gptforge.pipeline.nodes import node_commands, node_env, rendezvous
 from gptforge.pipeline.store import RunRecord, execute, locate, read_manifest
 from tests.conftest import ROOT, SMALL, TINY
 
@@ -38,8 +39,7 @@ def free_port() -> int:
 def config(root: Path, *overrides):
     """A fast config rooted at `root`, written to root/pipeline.yaml; returns (cfg, path)."""
     root.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(TINY, [f"run.root={root}", *SMALL, *FAST, f"distributed.master_port={free_port()}",
-                             *overrides])
+    cfg = load_config(TINY, [f"run.root={root}", *SMALL, *FAST, *overrides])
     path = root / "pipeline.yaml"
     path.write_text(dump_config(cfg))
     return cfg, path
@@ -49,15 +49,29 @@ def tokenize_in_process(cfg):
     execute(cfg, "tokenize")
 
 
-def command(cfg, path, stage) -> list[str]:
-    """The launcher command that runs a stage into its store folder on its inputs."""
-    out_dir, _, inputs = locate(cfg, stage)
-    return stage_command(cfg, stage, path, out_dir, {up: d for up, (d, _) in inputs.items()})
+class launch:
+    """Start a single-node stage under its launcher, as the pipeline does, its rendezvous hosted here (a context
+    manager: the store lives until the block ends); `.proc` is the launcher's process."""
 
+    def __init__(self, cfg, path, stage, stdout=subprocess.PIPE):
+        self.cfg, self.path, self.stage, self.stdout = cfg, path, stage, stdout
 
-def launch(cfg, path, stage, stdout=subprocess.PIPE) -> subprocess.Popen:
-    return subprocess.Popen(command(cfg, path, stage), cwd=ROOT, env={**os.environ, **stage_env()},
-                            stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    def __enter__(self) -> subprocess.Popen:
+        out_dir, _, inputs = locate(self.cfg, self.stage)
+        self.rendezvous = rendezvous(self.cfg, self.stage)
+        port = self.rendezvous.__enter__()
+        env = node_env(self.cfg, self.stage)
+        (cmd,) = node_commands(self.cfg, self.stage, self.path, out_dir, {up: d for up, (d, _) in inputs.items()},
+                               port, env)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=self.stdout,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return self.proc
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.rendezvous.__exit__(*exc)
 
 
 def run_stage(cfg, path, stage):
@@ -76,8 +90,7 @@ def kill_after_checkpoint(cfg, path, stage, step: int) -> Path:
     out_dir = locate(cfg, stage)[0]
     marker = out_dir / "checkpoints" / f"step-{step:08d}" / "complete.json"
     log = Path(path).with_name(f"{stage}-killed.log")
-    with open(log, "w") as out:  # a file, not a pipe: nobody reads while we wait
-        proc = launch(cfg, path, stage, stdout=out)
+    with open(log, "w") as out, launch(cfg, path, stage, stdout=out) as proc:  # a file: nobody reads the output
         deadline = time.time() + 600
         while not marker.exists():
             assert proc.poll() is None, f"{stage} ended before its step-{step} checkpoint:\n{log.read_text()[-3000:]}"
@@ -116,9 +129,8 @@ def changed_from_sft(chain, out_dir) -> bool:
 
     sft = load_file(chain["sft"][1] / "model" / "model.safetensors")
     tuned = load_file(out_dir / "model" / "model.safetensors")
-    common = sft.keys() & tuned.keys()  # a gathered ZeRO-3 export may also list the tied lm_head
-    assert (sft.keys() | tuned.keys()) - common <= {"lm_head.weight"}
-    return any(not torch.equal(sft[k], tuned[k]) for k in common)
+    assert sft.keys() == tuned.keys() and "lm_head.weight" not in tuned  # the tied weight stored once
+    return any(not torch.equal(sft[k], tuned[k]) for k in sft)
 
 
 def logged_names(out_dir: Path) -> set[str]:

@@ -43,7 +43,17 @@ def test_yaml_templates_parse_and_reference_real_commands(path):
         services = docs[0]["services"]
         assert {"postgres", "server", "worker"} <= set(services)
         assert "postgresql" in services["server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+        assert "api/health" in " ".join(services["server"]["healthcheck"]["test"])
+        assert services["worker"]["depends_on"]["server"]["condition"] == "service_healthy"
         return
+    if "kubernetes" in path.parts:
+        import kubernetes_validate
+
+        for doc in docs:  # against the Kubernetes 1.32 API schemas, offline (no cluster here for kubectl)
+            kubernetes_validate.validate(doc, "1.32", strict=True)
+        pod = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"]
+        assert pod["containers"][0]["imagePullPolicy"] == "IfNotPresent"
+        assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])  # /dev/shm for NCCL
     check_references(path.read_text())
 
 
@@ -63,3 +73,12 @@ def test_multi_node_overrides_in_templates_are_valid_config():
         section, field = key.split(".", 1)
         model = type(getattr(load_config(ROOT / "configs" / "tiny.yaml"), section))
         assert field in model.model_fields, key
+
+
+def test_the_image_is_built_from_a_clean_context():
+    """No Docker engine runs here to build it: the context's exclusions and the build's steps, checked as text."""
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv/", "runs/", ".git/"} <= set(ignored)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG BASE=" in dockerfile and "FROM ${BASE}" in dockerfile  # CPU by default, a CUDA base by build-arg
+    assert "torch==2.13.0" in dockerfile and "make setup" in dockerfile

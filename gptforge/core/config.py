@@ -148,22 +148,37 @@ class ModelSection(Section):
 
 
 class DistributedSection(Section):
-    launcher: Literal["deepspeed", "torchrun", "accelerate"] = Setting("deepspeed", description="Process launcher.")
+    launcher: Literal["deepspeed", "torchrun", "accelerate"] = Setting("deepspeed", description="The agent each node "
+                                                                       "runs (the TRL stages always use accelerate).")
+    node_launcher: Literal["local", "ssh", "slurm"] = Setting(
+        "local", same_result=True, description="How a run starts the agents: local (all on this host), ssh (one per "
+        "hostfile host), slurm (srun in the allocation).")
     nproc_per_node: int = Setting(2, ge=1, description="Processes per node (GPUs per node, or CPU processes).")
     nnodes: int = Setting(1, ge=1, description="Number of nodes.")
-    node_rank: int = Setting(0, ge=0, description="This node's rank (multi-node without a hostfile).")
-    master_addr: str = Setting("127.0.0.1", description="Address of the rank-0 node.")
-    master_port: int = Setting(29500, ge=1, le=65535, description="Rendezvous port on the rank-0 node.")
-    hostfile: str | None = Setting(None, description="DeepSpeed hostfile for multi-node runs.")
+    node_rank: int = Setting(0, ge=0, same_result=True, description="This node's rank, for a stage started by hand "
+                             "on each node (gptforge stage); a run assigns them itself.")
+    master_addr: str = Setting("127.0.0.1", same_result=True, description="Address of the rendezvous: this host's "
+                               "address the other nodes reach (127.0.0.1 on one host).")
+    master_port: int | None = Setting(None, ge=1, le=65535, same_result=True, description="Rendezvous port; None: a "
+                                      "free one for every stage, so that many runs share a host.")
+    hostfile: str | None = Setting(None, same_result=True, description="Hosts, node 0 first ('host slots=N' a line): "
+                                   "for node_launcher ssh and the deepspeed launcher across nodes.")
     zero_stage: int = Setting(2, ge=0, le=3, description="ZeRO stage 0-3 (configs/deepspeed/zero<N>.json).")
     offload_optimizer: bool = Setting(False, description="Offload optimizer state to CPU memory (ZeRO 1-3).")
     activation_checkpointing: bool = Setting(False, description="Recompute activations in backward to save memory.")
     precision: Literal["auto", "bf16", "fp32"] = Setting("auto", description="auto: bf16 on GPUs, fp32 on the CPU.")
 
     @model_validator(mode="after")
-    def _offload_needs_zero(self):
+    def _layout(self):
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
+            raise ValueError(f"launcher=deepspeed reaches the other {self.nnodes - 1} node(s) through a hostfile: set "
+                             "distributed.hostfile, or use launcher torchrun with a node_launcher")
+        if self.node_launcher == "ssh" and self.nnodes > 1 and not self.hostfile:
+            raise ValueError("node_launcher=ssh needs distributed.hostfile (one host a line, node 0 first)")
         return self
 
     @property

@@ -43,3 +43,13 @@ def test_a_failed_stage_ends_the_run_with_its_own_error_line(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: stage pretrain failed: the val split holds") and "pretrain.seq_len" in last, last
+
+
+def test_a_stage_started_with_fewer_processes_than_its_config_asks_for(tmp_path):
+    """`gptforge stage` run as one process with distributed asking for two: an error before anything starts,
+    not two "nodes" training separately into one folder."""
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "stage", "pretrain", "-c", str(TINY),
+                           "--set", f"run.root={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: distributed asks for 2 processes (nproc_per_node=2 x nnodes=1) but this "
+                                  "`gptforge stage` runs as 1")

@@ -4,47 +4,80 @@ from pathlib import Path
 import pytest
 
 from gptforge.core.config import load_config
-from gptforge.pipeline.launch import stage_command
+from gptforge.core.errors import ConfigError
+from gptforge.pipeline.nodes import node_commands
 from tests.conftest import TINY
 
 BATCHES = [f"{s}.global_batch_size=256" for s in ("pretrain", "sft", "reward", "preference")]
 ARGS = ["--config", "cfg.yaml", "--out", "out", "--input", "tokenize=tok"]
 
 
-def cmd(*overrides, stage="pretrain", inputs=None):
-    return stage_command(load_config(TINY, [*BATCHES, *overrides]), stage, Path("cfg.yaml"), Path("out"),
-                         {"tokenize": Path("tok")} if inputs is None else inputs)
+def cmds(*overrides, stage="pretrain", inputs=None, port=4242):
+    return node_commands(load_config(TINY, [*BATCHES, *overrides]), stage, Path("cfg.yaml"), Path("out"),
+                         {"tokenize": Path("tok")} if inputs is None else inputs, port, {"DS_ACCELERATOR": "cpu"})
 
 
 def test_tokenize_and_evaluation_run_as_one_process():
-    assert cmd(stage="tokenize", inputs={}) == [sys.executable, "-m", "gptforge.stages.tokenize", "--config",
-                                                "cfg.yaml", "--out", "out"]
-    assert cmd(stage="eval-dpo", inputs={"dpo": Path("d")})[:3] == [sys.executable, "-m", "gptforge.stages.evaluate"]
+    assert cmds(stage="tokenize", inputs={}) == [[sys.executable, "-m", "gptforge.stages.tokenize", "--config",
+                                                  "cfg.yaml", "--out", "out"]]
+    assert cmds(stage="eval-dpo", inputs={"dpo": Path("d")})[0][:3] == [sys.executable, "-m",
+                                                                          "gptforge.stages.evaluate"]
 
 
 def test_deepspeed_single_node_and_hostfile():
-    c = cmd("distributed.nproc_per_node=4")
+    (c,) = cmds("distributed.nproc_per_node=4")
     assert c[1:3] == ["-m", "deepspeed.launcher.runner"] and c[c.index("--num_gpus") + 1] == "4"
-    assert c[-8:] == ["--module", "gptforge.stages.pretrain", *ARGS]
-    h = cmd("distributed.hostfile=/etc/hosts.ds", "distributed.master_addr=10.0.0.1", "distributed.nnodes=2")
+    assert c[c.index("--master_port") + 1] == "4242" and c[-8:] == ["--module", "gptforge.stages.pretrain", *ARGS]
+    (h,) = cmds("distributed.hostfile=/etc/hosts.ds", "distributed.master_addr=10.0.0.1", "distributed.nnodes=2")
     assert h[h.index("--hostfile") + 1] == "/etc/hosts.ds" and h[h.index("--master_addr") + 1] == "10.0.0.1"
-    assert "--num_gpus" not in h
+    assert "--num_gpus" not in h  # the deepspeed runner reaches the nodes itself
 
 
-def test_torchrun_multi_node():
-    c = cmd("distributed.launcher=torchrun", "distributed.nnodes=2", "distributed.node_rank=1",
-            "distributed.master_addr=10.0.0.1", "distributed.nproc_per_node=8")
-    assert c[1:3] == ["-m", "torch.distributed.run"]
-    assert {"--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--nproc_per_node=8"} <= set(c)
-    assert c[-8:] == ["-m", "gptforge.stages.pretrain", *ARGS]
+def test_torchrun_on_local_nodes_meets_at_the_hosted_store():
+    nodes = cmds("distributed.launcher=torchrun", "distributed.nnodes=2", "distributed.nproc_per_node=8")
+    assert len(nodes) == 2
+    for rank, c in enumerate(nodes):
+        assert c[1:3] == ["-m", "torch.distributed.run"]
+        assert {"--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=8", "--rdzv_backend=c10d",
+                "--rdzv_endpoint=127.0.0.1:4242", "--rdzv_conf=is_host=false"} <= set(c)
+        assert c[-8:] == ["-m", "gptforge.stages.pretrain", *ARGS]
+
+
+def test_ssh_and_slurm_start_an_agent_on_every_node(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# node 0 first\nnode-a slots=8\nnode-b slots=8\nnode-c slots=8\n")
+    ssh = cmds("distributed.launcher=torchrun", "distributed.nnodes=2", "distributed.node_launcher=ssh",
+               f"distributed.hostfile={hosts}", "distributed.master_addr=10.0.0.1")
+    assert [c[:4] for c in ssh] == [["ssh", "-o", "BatchMode=yes", "node-a"], ["ssh", "-o", "BatchMode=yes", "node-b"]]
+    assert "env DS_ACCELERATOR=cpu" in ssh[1][4] and "--node_rank=1" in ssh[1][4] and "10.0.0.1:4242" in ssh[1][4]
+    (srun,) = cmds("distributed.launcher=torchrun", "distributed.nnodes=4", "distributed.node_launcher=slurm")
+    assert srun[:5] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert "--node_rank=$SLURM_NODEID" in srun[-1]
+    (dpo,) = cmds("distributed.launcher=torchrun", "distributed.nnodes=4", "distributed.node_launcher=slurm",
+                  stage="dpo", inputs={"sft": Path("s"), "reward": Path("r")})
+    assert "accelerate.commands.launch" in dpo[-1] and "--machine_rank '$SLURM_NODEID'" not in dpo[-1]
+    assert "--machine_rank $SLURM_NODEID" in dpo[-1] and "--num_processes 8" in dpo[-1]
 
 
 def test_accelerate_uses_deepspeed_with_world_size():
-    c = cmd("distributed.launcher=accelerate", "distributed.nnodes=2", "distributed.nproc_per_node=4",
-            "distributed.zero_stage=3")
-    assert "--use_deepspeed" in c and c[c.index("--num_processes") + 1] == "8"
-    assert c[c.index("--zero_stage") + 1] == "3" and "--deepspeed_multinode_launcher" in c
-    assert c[-8:] == ["-m", "gptforge.stages.pretrain", *ARGS]
+    nodes = cmds("distributed.launcher=torchrun", "distributed.nnodes=2", "distributed.nproc_per_node=4",
+                 "distributed.zero_stage=3", stage="dpo", inputs={"sft": Path("s")})
+    for rank, c in enumerate(nodes):
+        assert "--use_deepspeed" in c and c[c.index("--num_processes") + 1] == "8"
+        assert c[c.index("--machine_rank") + 1] == str(rank) and c[c.index("--main_process_port") + 1] == "4242"
+        assert c[c.index("--zero_stage") + 1] == "3" and "--deepspeed_multinode_launcher" in c
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distributed.nnodes=2", "distributed.node_rank=5", "distributed.launcher=torchrun"],
+     r"distributed: node_rank=5 must be below nnodes=2"),
+    (["distributed.nnodes=2"], r"launcher=deepspeed reaches the other 1 node\(s\) through a hostfile"),
+    (["distributed.nnodes=2", "distributed.launcher=torchrun", "distributed.node_launcher=ssh"],
+     r"node_launcher=ssh needs distributed.hostfile"),
+])
+def test_impossible_layouts(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [*BATCHES, *overrides])
 
 
 def test_sigterm_kills_the_whole_stage_group(tmp_path):
@@ -65,7 +98,7 @@ def test_sigterm_kills_the_whole_stage_group(tmp_path):
     parent.write_text(textwrap.dedent(f"""
         import sys
         from gptforge.pipeline.launch import run_streaming
-        run_streaming([sys.executable, "-c", {child!r}, {marker!r}], lambda line: print(line, flush=True))
+        run_streaming([[sys.executable, "-c", {child!r}, {marker!r}]], lambda line: print(line, flush=True))
     """))
     log = tmp_path / "log"
     with open(log, "w") as out:
@@ -140,3 +173,25 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
         assert time.time() < deadline, f"still alive: {[p for p in tree if alive(p)]}"
         time.sleep(0.5)
     log.close()
+
+
+@pytest.mark.slow
+def test_two_pipelines_run_side_by_side_on_one_host(tmp_path):
+    """Two `gptforge run`s at once, each with its own run root: every stage's rendezvous takes a free port, so
+    neither collides with the other (a fixed 29500 made the second fail with EADDRINUSE)."""
+    import os
+    import subprocess
+
+    from tests.helpers import config
+
+    procs = []
+    for name in ("a", "b"):
+        _, path = config(tmp_path / name, "sft.enabled=false", "reward.enabled=false", "preference.enabled=false",
+                         "pretrain.max_steps=12")
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(path)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-3000:]
+        assert "run tiny finished" in out

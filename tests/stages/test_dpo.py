@@ -73,3 +73,14 @@ def test_a_corrupt_trainer_checkpoint_is_skipped_for_the_one_before(chain, dpo, 
     assert f"warning: skipping checkpoint {killed / 'checkpoints' / 'checkpoint-4'}: truncated" in out
     assert f"[dpo] resumed from {killed / 'checkpoints' / 'checkpoint-2'}" in out
     assert manifest["metrics"]["global_step"] == 6
+
+
+def test_two_local_nodes_train_dpo_as_one_node_with_two_processes(chain, dpo, tmp_path):
+    """The TRL stage as 2 "nodes" x 1 process (an accelerate launch per node, machine ranks 0 and 1): the same
+    training as 1 node x 2 processes."""
+    cfg, path = prepared(chain, tmp_path, *DPO, "distributed.launcher=torchrun", "distributed.nnodes=2",
+                         "distributed.nproc_per_node=1")
+    manifest, out_dir, out = run_stage(cfg, path, "dpo")
+    assert manifest["world_size"] == 2 and "[node 1]" in out
+    assert [r["loss"] for r in rows(out_dir) if "loss" in r] == pytest.approx(
+        [r["loss"] for r in rows(dpo[1]) if "loss" in r], abs=1e-3)

@@ -58,8 +58,8 @@ def test_ppo_nan_rewards_are_skipped_then_fail_keeping_the_last_checkpoint(chain
     manifest["files"]["model/model.safetensors"] = sha256_file(weights)
     (reward_dir / "manifest.json").write_text(json.dumps(manifest))
 
-    proc = launch(cfg, path, "ppo")
-    out, _ = proc.communicate(timeout=900)
+    with launch(cfg, path, "ppo") as proc:
+        out, _ = proc.communicate(timeout=900)
     assert proc.returncode != 0
     assert "NaN/Inf in reward or loss, step skipped (1 so far)" in out
     assert "3 steps with NaN/Inf rewards or losses (preference.ppo.max_bad_steps=2)" in out

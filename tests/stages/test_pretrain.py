@@ -84,6 +84,20 @@ def test_sigkill_then_rerun_matches_uninterrupted(zero2, tmp_path):
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=1e-6)
 
 
+def test_killed_at_two_processes_resumed_at_one(zero2, tmp_path):
+    """Elastic resume: a 2-process run killed after its step-10 checkpoint, resumed with 1 process through
+    DeepSpeed's universal checkpoint, ends on the uninterrupted 2-process run's loss curve (within 1e-3: the
+    same data a step, only summed over micro-batches instead of processes)."""
+    cfg, path = config(tmp_path, "distributed.zero_stage=2")
+    tokenize_in_process(cfg)
+    kill_after_checkpoint(cfg, path, "pretrain", step=10)
+    cfg, path = config(tmp_path, "distributed.zero_stage=2", "distributed.nproc_per_node=1")
+    manifest, out_dir, out = run_stage(cfg, path, "pretrain")
+    assert "(written by 2 processes, now 1)" in out and manifest["world_size"] == 1
+    assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=1e-3)
+    assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=1e-3)
+
+
 def test_invalid_checkpoints_are_skipped_with_a_warning(zero2, tmp_path, capsys):
     src = zero2[1] / "checkpoints"
     for name in ("step-00000015", "step-00000020", "step-00000025"):
@@ -127,8 +141,8 @@ def test_a_pickle_planted_in_a_checkpoint_does_not_run(zero2, tmp_path):
     record = json.loads((ckpt / "complete.json").read_text())
     record["files"][str(target.relative_to(ckpt))] = {"size": target.stat().st_size, "sha256": sha256_file(target)}
     (ckpt / "complete.json").write_text(json.dumps(record))
-    proc = launch(cfg, path, "pretrain")
-    out, _ = proc.communicate(timeout=600)
+    with launch(cfg, path, "pretrain") as proc:
+        out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0 and not marker.exists()
     assert f"error: {target}: refused to load, it holds more than tensors and plain data" in out, out[-3000:]
 
@@ -142,6 +156,16 @@ def test_shards_from_another_tokenizer_are_a_clear_error(zero2, tmp_path):
     (shards / "index.json").write_text(json.dumps(index))
     with pytest.raises(DataError, match="were not made by the tokenizer"):
         load_data(tok_out / "tokenizer", shards)
+
+
+def test_two_local_nodes_give_the_output_of_one_node_with_two_processes(zero2, tmp_path):
+    """2 "nodes" x 1 process on this host (torchrun agents meeting through the c10d rendezvous, as across real
+    nodes): one output, the same loss curve as 1 node x 2 processes."""
+    manifest, out_dir, out = pretrain(tmp_path, "distributed.zero_stage=2", "distributed.launcher=torchrun",
+                                      "distributed.nnodes=2", "distributed.nproc_per_node=1")
+    assert manifest["world_size"] == 2 and "[node 0]" in out and "[node 1]" in out
+    assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=2e-4)
+    assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=2e-4)
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])

@@ -1,0 +1,156 @@
+"""Starting a stage's processes on every node: the agent each node runs (deepspeed, torchrun or accelerate), how a
+run reaches the nodes (`distributed.node_launcher`), and the rendezvous they meet at.
+
+- `local`: every node's agent on this host, each with its own node rank: one machine with several nodes' worth of
+  processes, and the tests, which meet through the same c10d rendezvous as real nodes do.
+- `ssh`: one agent per host of `distributed.hostfile` (node 0 first), started over ssh in this folder with this
+  Python: the hosts share a file system (the run root and the virtual environment).
+- `slurm`: one `srun` inside an allocation, one task per node, each taking its node rank from SLURM_NODEID.
+- The deepspeed launcher reaches other nodes by itself, through its hostfile (pdsh or ssh).
+
+The rendezvous: for torchrun and the deepspeed launcher, this process hosts the TCPStore the agents and ranks meet
+at, listening on `master_addr` alone, at a free port unless `distributed.master_port` pins one (every agent is
+its client: c10d with is_host=false; the deepspeed launcher's ranks through TORCHELASTIC_USE_AGENT_STORE). So
+many runs share a host, and the store listens only where it is told. Two are torch's own: the accelerate
+launcher (the TRL stages) refuses a port that is taken and starts its store itself, on a free port found here;
+and torch's elastic agent of rank 0 opens the workers' bootstrap store on its node. Both listen on all interfaces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from gptforge.core.config import PipelineConfig
+from gptforge.core.errors import UserError
+from gptforge.pipeline.store import module_of
+from gptforge.stages.cli import stage_args
+
+ACCELERATE_ONLY = {"dpo", "grpo", "rloo"}  # TRL trainers need accelerate to see the world (model/hf_trainer.py)
+SLURM_NODE = "__SLURM_NODEID__"  # replaced by $SLURM_NODEID in the srun command
+
+
+def single_process(step: str) -> bool:
+    """Tokenizing (its own Ray workers) and evaluation run as one process, without a launcher."""
+    return step == "tokenize" or step.startswith("eval-")
+
+
+def launcher_of(cfg: PipelineConfig, stage: str) -> str:
+    return "accelerate" if stage in ACCELERATE_ONLY else cfg.distributed.launcher
+
+
+def hosts_rendezvous(cfg: PipelineConfig, stage: str) -> bool:
+    """Whether this process hosts the stage's rendezvous store (see the module's docstring)."""
+    launcher = launcher_of(cfg, stage)
+    return not single_process(stage) and (launcher == "torchrun" or launcher == "deepspeed"
+                                          and not cfg.distributed.hostfile)
+
+
+@contextmanager
+def rendezvous(cfg: PipelineConfig, stage: str) -> Iterator[int | None]:
+    """The stage's rendezvous port for the block; this process hosts the store where it should (None: a single
+    process needs none)."""
+    if single_process(stage):
+        yield None
+        return
+    d = cfg.distributed
+    sock = socket.socket(socket.AF_INET6 if ":" in d.master_addr else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((d.master_addr, d.master_port or 0))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on distributed.master_addr={d.master_addr}, distributed.master_port="
+                        f"{d.master_port} ({e.strerror}); leave master_port unset for a free port") from None
+    port = sock.getsockname()[1]
+    if not hosts_rendezvous(cfg, stage):
+        sock.close()  # the launcher's own store takes the port
+        yield port
+        return
+    from torch.distributed import TCPStore
+
+    sock.listen(1024)
+    store = TCPStore(d.master_addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                     master_listen_fd=sock.detach(), timeout=datetime.timedelta(minutes=30))  # the store owns it
+    try:
+        yield port
+    finally:
+        del store
+
+
+def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: Path, inputs: dict[str, Path],
+                  node: int | str = 0, port: int | None = None) -> list[str]:
+    """What one node runs: the stage under its launcher, as node `node`, meeting at master_addr:`port`."""
+    module, args = f"gptforge.stages.{module_of(stage)}", stage_args(config_path, out_dir, inputs)
+    if single_process(stage):
+        return [sys.executable, "-m", module, *args]
+    d = cfg.distributed
+    port = port or d.master_port
+    launcher = launcher_of(cfg, stage)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}",
+               f"--nnodes={d.nnodes}", f"--node_rank={node}", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint={d.master_addr}:{port}", "--rdzv_conf=is_host=false", f"--rdzv_id={stage}-{port}",
+               "--max_restarts=0"]
+    elif launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+               "--zero_stage", str(d.zero_stage), "--num_processes", str(d.world_size),
+               "--num_machines", str(d.nnodes), "--machine_rank", str(node),
+               "--main_process_ip", d.master_addr, "--main_process_port", str(port)]
+        if d.nnodes > 1:
+            cmd += ["--deepspeed_multinode_launcher", "standard", "--rdzv_backend", "c10d"]
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", d.master_addr,
+               "--master_port", str(port)]
+        if d.hostfile:
+            cmd += ["--hostfile", d.hostfile]
+        else:
+            cmd += ["--num_nodes", "1", "--num_gpus", str(d.nproc_per_node)]
+        return [*cmd, "--module", module, *args]
+    return [*cmd, "-m", module, *args]
+
+
+def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: Path, inputs: dict[str, Path],
+                  port: int | None, env: dict[str, str]) -> list[list[str]]:
+    """The commands this process starts for a stage: one agent per node (local, ssh), one srun for all (slurm),
+    one launcher that reaches the nodes itself (a single node, or deepspeed with a hostfile)."""
+    d = cfg.distributed
+    if single_process(stage) or d.nnodes == 1 or launcher_of(cfg, stage) == "deepspeed":
+        return [agent_command(cfg, stage, config_path, out_dir, inputs, d.node_rank, port)]
+    if d.node_launcher == "local":
+        return [agent_command(cfg, stage, config_path, out_dir, inputs, n, port) for n in range(d.nnodes)]
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    if d.node_launcher == "ssh":
+        hosts = read_hostfile(d.hostfile)
+        return [["ssh", "-o", "BatchMode=yes", host, f"cd {shlex.quote(os.getcwd())} && env {exports} "
+                 + shlex.join(agent_command(cfg, stage, config_path, out_dir, inputs, n, port))]
+                for n, host in enumerate(hosts[:d.nnodes])]
+    agent = shlex.join(agent_command(cfg, stage, config_path, out_dir, inputs, SLURM_NODE, port))
+    return [["srun", f"--nodes={d.nnodes}", f"--ntasks={d.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+             "bash", "-c", f"env {exports} " + agent.replace(SLURM_NODE, "$SLURM_NODEID")]]
+
+
+def read_hostfile(path: str) -> list[str]:
+    """Host names of a hostfile (DeepSpeed's format: `host slots=N` a line; # comments)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UserError(f"distributed.hostfile={path}: {e.strerror}") from None
+    return [line.split()[0] for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def node_env(cfg: PipelineConfig, stage: str) -> dict[str, str]:
+    """Environment of a stage's processes: DeepSpeed's CPU accelerator where there is no GPU; the deepspeed
+    launcher's ranks as clients of the hosted store."""
+    import torch
+
+    env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
+    if hosts_rendezvous(cfg, stage) and launcher_of(cfg, stage) == "deepspeed":
+        env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    return env
