@@ -10,9 +10,10 @@ from gptforge.core.presets import Arch
 
 
 def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | None = None):
-    """A GPT2Config (learned positions, pre-LN, GELU, scaled residual init) or LlamaConfig (RoPE,
-    RMSNorm, SwiGLU, GQA) for this architecture, with SDPA attention."""
-    from transformers import GPT2Config, LlamaConfig
+    """A GPT2Config (learned positions, pre-LN, GELU, scaled residual init), LlamaConfig (RoPE, RMSNorm, SwiGLU,
+    GQA) or MixtralConfig (Llama's attention, top-k routed SwiGLU experts whose router's load-balancing loss the
+    model returns as `aux_loss`) for this architecture, with SDPA attention."""
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
     # Special-token ids come from the tokenizer; GPT2Config's defaults (50256) may not exist in it.
     tokens = tokens or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -22,11 +23,16 @@ def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | 
                          activation_function="gelu_new", resid_pdrop=dropout, embd_pdrop=dropout,
                          attn_pdrop=dropout, scale_attn_by_inverse_layer_idx=False, use_cache=True, **tokens)
     else:
-        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=arch.n_embd, num_hidden_layers=arch.n_layer,
-                          num_attention_heads=arch.n_head, num_key_value_heads=arch.n_kv_head or arch.n_head,
-                          intermediate_size=arch.intermediate_size or _llama_mlp(arch.n_embd),
-                          max_position_embeddings=arch.n_positions, attention_dropout=dropout,
-                          tie_word_embeddings=False, use_cache=True, **tokens)
+        common = dict(vocab_size=vocab_size, hidden_size=arch.n_embd, num_hidden_layers=arch.n_layer,
+                      num_attention_heads=arch.n_head, num_key_value_heads=arch.n_kv_head or arch.n_head,
+                      intermediate_size=arch.intermediate_size or _llama_mlp(arch.n_embd),
+                      max_position_embeddings=arch.n_positions, attention_dropout=dropout,
+                      tie_word_embeddings=False, use_cache=True, **tokens)
+        if arch.is_moe:
+            cfg = MixtralConfig(**common, num_local_experts=arch.n_experts, num_experts_per_tok=arch.experts_per_token,
+                                output_router_logits=True, router_aux_loss_coef=0.01)  # Mixtral's coefficient
+        else:
+            cfg = LlamaConfig(**common)
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -35,17 +41,81 @@ def _llama_mlp(d: int) -> int:
     return 256 * math.ceil(int(8 * d / 3) / 256)
 
 
-def build_model(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | None = None):
-    """A freshly initialised causal LM. GPT-2 init already scales residual projections by 1/sqrt(2*n_layer)."""
-    from transformers import AutoModelForCausalLM
+def build_model(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | None = None,
+                zero3: dict | None = None):
+    """A freshly initialised causal LM. GPT-2 init already scales residual projections by 1/sqrt(2*n_layer).
+    `zero3`: a ZeRO-3 DeepSpeed config, to build it partitioned (deepspeed.zero.Init: each module partitioned as
+    soon as it is built, no rank ever holding the whole model) with the same weights as without ZeRO-3."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    return AutoModelForCausalLM.from_config(hf_config(arch, vocab_size, dropout, tokens), attn_implementation="sdpa")
+    config = hf_config(arch, vocab_size, dropout, tokens)
+    if zero3 is None:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    from unittest.mock import patch
+
+    import deepspeed
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    def init_weights(self):  # PreTrainedModel.init_weights, gathered
+        initialise_gathered(self)
+        self.tie_weights(recompute_mapping=False)
+
+    # Built as without ZeRO-3, the same random draws in the same order: each module's own initialisation in full
+    # before it is partitioned, and each (sub)model's initialisation at its post_init, a module at a time, gathered.
+    # (transformers' own ZeRO-3 build skips the first and initialises on rank 0 only: other draws, other weights.)
+    with patch.object(PreTrainedModel, "init_weights", init_weights), prevent_arange_dtype_change(), \
+            deepspeed.zero.Init(config_dict_or_path=zero3):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def flops_per_token(n_params: int, arch: Arch, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the weight matmuls plus 12*n_layer*n_embd*seq_len for
+@torch.no_grad()
+def initialise_gathered(model) -> None:
+    """PreTrainedModel.initialize_weights over a ZeRO-3 partitioned model: the same modules in the same order
+    (children first), each with its parameters gathered; every rank draws the same numbers (so that their random
+    states stay equal, as without ZeRO-3) and rank 0's are kept."""
+    import deepspeed
+    from transformers import PreTrainedModel
+    from transformers.initialization import guard_torch_init_functions
+
+    custom = model.is_custom_code()
+
+    def visit(module, init):
+        for child in module.children():
+            visit(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init)
+        params = list(module.parameters(recurse=False)) + [  # _init_weights may set a direct child's parameters
+            p for c in module.children() if not isinstance(c, PreTrainedModel) for p in c.parameters(recurse=False)]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
+            init(module, custom)
+
+    with guard_torch_init_functions():
+        visit(model, model._initialize_weights)
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(total, active) parameters: active are those one token passes through, which for a mixture of experts
+    counts experts_per_token of its n_experts (the router included). Counts a ZeRO-3 partitioned model whole."""
+    total = experts = 0
+    for name, p in model.named_parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        experts += n if ".experts." in name else 0
+    config = model.config
+    if not experts:
+        return total, total
+    return total, total - round(experts * (1 - config.num_experts_per_tok / config.num_local_experts))
+
+
+def count_parameters(arch: Arch, vocab_size: int) -> tuple[int, int]:
+    """(total, active) parameters of the architecture, counted on a model built without memory (meta device)."""
+    with torch.device("meta"):
+        return parameter_counts(build_model(arch, vocab_size))
+
+
+def flops_per_token(active_params: int, arch: Arch, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weight matmuls that a token passes through (N the active
+    parameters: a mixture of experts computes only its routed experts) plus 12*n_layer*n_embd*seq_len for
     attention scores and weighted values (PaLM, appendix B)."""
-    return 6 * n_params + 12 * arch.n_layer * arch.n_embd * seq_len
+    return 6 * active_params + 12 * arch.n_layer * arch.n_embd * seq_len
 
 
 # Dense bf16 peak FLOP/s by device name fragment (vendor data sheets, no sparsity).

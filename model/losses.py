@@ -17,6 +17,13 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
 
 
+def router_loss(output, config) -> torch.Tensor | None:
+    """A mixture of experts' load-balancing loss (Fedus et al. 2021, as transformers computes it for Mixtral)
+    weighed by the model's router_aux_loss_coef, to add to the training loss; None for a dense model."""
+    aux = getattr(output, "aux_loss", None)
+    return None if aux is None else config.router_aux_loss_coef * aux
+
+
 def pairwise_reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0,
                          center_coefficient: float = 0.0) -> torch.Tensor:
     """Bradley-Terry loss -log sigmoid(r_c - r_r - margin), plus center_coefficient * mean((r_c + r_r)^2)

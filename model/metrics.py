@@ -24,7 +24,12 @@ NAMES = {
     "base_val_loss": "val_loss of the stage's input model, before training",
     "unigram_entropy": "entropy of the training tokens' frequencies (nats/token): the loss of a context-blind model",
     "parameters": "model parameters (tied weights counted once)",
-    "flops_per_token": "training FLOPs per token (6N plus attention)",
+    "active_parameters": "parameters one token passes through: a mixture of experts counts its routed experts only",
+    "flops_per_token": "training FLOPs per token (6 x active parameters, plus attention)",
+    "aux_loss": "mixture of experts: the routers' load-balancing loss (before router_aux_loss_coef), mean over the "
+                "step; the training loss excludes it",
+    "peak_host_memory_gib": "the largest peak resident host memory of any one process of the stage (GiB)",
+    "peak_device_memory_gib": "the largest peak accelerator memory allocated by any one process of the stage (GiB)",
     # preference pairs
     "reward_accuracy": "share of held-out pairs whose chosen response the reward model scores higher",
     "reward_margin": "mean reward of chosen minus rejected, held-out pairs",
@@ -85,8 +90,11 @@ TRL_NAMES = {
     "logps/chosen": "chosen_logps", "logps/rejected": "rejected_logps", "mean_token_accuracy": "token_accuracy",
     "reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zero_std": "frac_reward_zero_std",
     "kl": "kl_per_token", "completions/mean_length": "response_length", "clip_ratio/region_mean": "clip_frac",
-    "rewards/verifier/mean": "verifier_reward", "rewards/model/mean": "reward_model_score",
+    "rewards/verifier/mean": "verifier_reward", "rewards/model/mean": "reward_model_score", "aux_loss": "aux_loss",
 }
+# Measures of how a run went (speed, memory) rather than of what it computed: they differ between two runs that
+# computed the same thing.
+MEASURED = {"tokens_per_sec", "gen_tokens_per_sec", "mfu", "peak_host_memory_gib", "peak_device_memory_gib"}
 WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilation, allocator warm-up)
 
 

@@ -1,10 +1,20 @@
-"""The memory and compute planner behind `gptforge plan`.
+"""The memory and compute planner behind `gptforge plan`, and the verdict an out-of-memory error quotes.
 
-Model states per GPU follow the ZeRO paper (Rajbhandari et al. 2020, section 3) for mixed-precision
-Adam: 2 bytes of bf16 weights, 2 of bf16 gradients and K=12 of fp32 optimizer state (master weights,
-momentum, variance) per parameter, partitioned over N data-parallel GPUs by the ZeRO stage; CPU offload
-moves the optimizer state (and its update) to host memory. Activations per layer follow Korthikanti et
-al. 2022 (34·s·b·h + 5·a·s²·b bytes without recomputation, 2·s·b·h with full recomputation).
+Model states (weights, gradients, optimizer) follow DeepSpeed's own estimators
+(`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`, parameters partitioned as
+they load): per parameter 2 bytes of 16-bit weights, and 18 bytes partitioned over the GPUs (16-bit and fp32
+gradients, fp32 master weights, Adam's two moments); ZeRO-3 adds the largest layer gathered in fp32, and CPU
+offload moves the 18 bytes (less the 16-bit gradients' 2 under ZeRO-3) to host memory, which the estimators
+count with a 1.5x buffer factor. ZeRO-0 and ZeRO-1, which DeepSpeed does not estimate, take the same byte
+counts unpartitioned where those stages do not partition. One departure: for ZeRO-2 with offload on several
+nodes the ZeRO-2 estimator multiplies host memory by the GPUs of all nodes; we count a node's share as its
+ZeRO-3 estimator does (equal on one node).
+
+Activations per layer follow Korthikanti et al. 2022 (34·s·b·h + 5·a·s²·b bytes in 16 bits, the MLP's share
+19·s·b·h scaled by a wider or routed MLP); with activation checkpointing every layer keeps its 2·s·b·h input and
+one layer at a time is recomputed whole in the backward pass. The logits add 10·s·b·V bytes (16-bit, the fp32
+copy the loss takes, its gradient), and ZeRO-3 keeps the parameters it has gathered live: the largest layer and
+the prefetch bucket (0.9·h² elements, the size the engine gives it) in 16 bits.
 """
 
 from __future__ import annotations
@@ -14,67 +24,153 @@ from dataclasses import dataclass
 import torch
 
 from gptforge.core.presets import Arch
-from gptforge.model.build import build_model, flops_per_token
+from gptforge.model.build import build_model, flops_per_token, parameter_counts
 
 GiB = 1024 ** 3
 TOKENS_PER_PARAM = 20  # compute-optimal budget (Hoffmann et al. 2022)
+BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for host memory
+STAGES = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]  # (ZeRO stage, offload)
 
 
-def model_state_bytes(n_params: int, zero_stage: int, gpus: int, offload: bool) -> float:
-    """Bytes of weights, gradients and optimizer state held on each GPU."""
-    weights, grads, optim = 2.0 * n_params, 2.0 * n_params, 12.0 * n_params
-    if offload:
-        optim = 0.0
-    if zero_stage >= 1:
-        optim /= gpus
-    if zero_stage >= 2:
-        grads /= gpus
-    if zero_stage >= 3:
-        weights /= gpus
-    return weights + grads + optim
+def model_state_bytes(n: int, largest_layer: int, zero_stage: int, gpus_per_node: int, nodes: int,
+                      offload: bool) -> tuple[float, float]:
+    """(bytes per GPU, host bytes per node) of model states, as DeepSpeed's estimators count them for ZeRO-2 and
+    ZeRO-3 (zero_init: partitioned as they load) with the same byte counts for ZeRO-0 and ZeRO-1."""
+    gpus = gpus_per_node * nodes
+    load = n * 4 * gpus_per_node * BUFFER_FACTOR  # each process of a node loads the fp32 model on the host
+    if zero_stage == 3:
+        largest = 4 * largest_layer
+        if offload:
+            return largest + 2 * n / gpus, n * 16 / nodes * BUFFER_FACTOR
+        return largest + 18 * n / gpus, largest_layer * 4 * gpus_per_node * BUFFER_FACTOR
+    offloaded = n * max(4 * gpus_per_node, 16 / nodes) * BUFFER_FACTOR  # DeepSpeed's on one node (see below)
+    if zero_stage == 2:
+        return (2 * n, offloaded) if offload else (2 * n + 18 * n / gpus, load)
+    if zero_stage == 1:  # gradients whole on every GPU
+        return (4 * n, offloaded) if offload else (4 * n + 16 * n / gpus, load)
+    return 20 * n, load
 
 
-def activation_bytes(arch: Arch, seq_len: int, micro_batch: int, checkpointing: bool) -> float:
+def largest_layer_params(model) -> int:
+    """The most parameters any one module holds itself (DeepSpeed's `largest_layer_params`): what ZeRO-3 gathers
+    at once."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+def activation_bytes(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, checkpointing: bool) -> float:
+    """Activation memory of one micro-batch (bytes per GPU), logits included."""
     s, b, h, a, L = seq_len, micro_batch, arch.n_embd, arch.n_head, arch.n_layer
-    per_layer = 2 * s * b * h if checkpointing else 34 * s * b * h + 5 * a * s * s * b
-    return L * per_layer
+    mlp_width = (arch.intermediate_size or 4 * h) * (arch.experts_per_token or 1)  # a token's MLP width
+    layer = (15 + 19 * mlp_width / (4 * h)) * s * b * h + 5 * a * s * s * b
+    logits = 10 * s * b * vocab_size
+    return (L * 2 * s * b * h + layer if checkpointing else L * layer) + logits
+
+
+def live_parameter_bytes(arch: Arch, largest_layer: int) -> float:
+    """ZeRO-3's gathered 16-bit parameters: the largest layer and the prefetch bucket."""
+    return 2 * (largest_layer + 0.9 * arch.n_embd ** 2)
 
 
 @dataclass
 class Plan:
     n_params: int
+    active_params: int
+    largest_layer: int
     flops_per_token: float
     optimal_tokens: float
     train_flops: float
-    memory: dict  # {(zero_stage, offload): bytes of model states per GPU}
+    memory: dict  # {(zero_stage, offload): (model-state bytes per GPU, host bytes per node)}
     activations: dict  # {checkpointing: bytes per GPU}
+    live_parameters: float  # ZeRO-3's gathered parameters, bytes per GPU
     days: float | None
+
+    def gpu_bytes(self, zero_stage: int, offload: bool, checkpointing: bool) -> float:
+        """Everything one GPU holds: model states, activations and, under ZeRO-3, the gathered parameters."""
+        return (self.memory[(zero_stage, offload)][0] + self.activations[checkpointing]
+                + (self.live_parameters if zero_stage == 3 else 0))
 
 
 def make_plan(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, gpus: int, tokens: float | None = None,
-              peak_tflops: float = 989.0, mfu: float = 0.4) -> Plan:
+              peak_tflops: float = 989.0, mfu: float = 0.4, gpus_per_node: int = 8) -> Plan:
+    """The plan for `gpus` GPUs, gpus_per_node a node (fewer on one node). FLOPs and time count the active
+    parameters (a mixture of experts computes only its routed experts); memory counts them all."""
     with torch.device("meta"):
-        n = build_model(arch, vocab_size).num_parameters()
-    fpt = flops_per_token(n, arch, seq_len)
+        model = build_model(arch, vocab_size)
+    n, active = parameter_counts(model)
+    largest = largest_layer_params(model)
+    per_node = min(gpus, gpus_per_node)
+    nodes = -(-gpus // per_node)
+    fpt = flops_per_token(active, arch, seq_len)
     tokens = tokens or TOKENS_PER_PARAM * n
-    memory = {(z, off): model_state_bytes(n, z, gpus, off) for z in range(4) for off in (False, True) if z or not off}
-    acts = {ckpt: activation_bytes(arch, seq_len, micro_batch, ckpt) for ckpt in (False, True)}
+    memory = {(z, off): model_state_bytes(n, largest, z, per_node, nodes, off) for z, off in STAGES}
+    acts = {ckpt: activation_bytes(arch, vocab_size, seq_len, micro_batch, ckpt) for ckpt in (False, True)}
     days = fpt * tokens / (gpus * peak_tflops * 1e12 * mfu) / 86400
-    return Plan(n, fpt, TOKENS_PER_PARAM * n, fpt * tokens, memory, acts, days)
+    return Plan(n, active, largest, fpt, TOKENS_PER_PARAM * n, fpt * tokens, memory, acts,
+                live_parameter_bytes(arch, largest), days)
+
+
+def assumptions(p: Plan, micro_batch: int, seq_len: int, checkpointing: bool) -> str:
+    return (f"assumed: bf16 weights and gradients with fp32 Adam (DeepSpeed's estimators), micro-batch {micro_batch} "
+            f"of {seq_len} tokens, activation checkpointing {'on' if checkpointing else 'off'}"
+            f"{' (one layer recomputed at a time)' if checkpointing else ''}, logits in fp32 for the loss, ZeRO-3's "
+            f"live parameters ({p.live_parameters / GiB:.2f} GiB), host memory with DeepSpeed's 1.5x buffer; no "
+            "allowance for fragmentation or the framework's own buffers")
+
+
+def verdict(p: Plan, zero_stage: int, offload: bool, checkpointing: bool, gpus: int, gpu_mem: float | None) -> str:
+    """One line: what one GPU needs at this ZeRO stage, and whether it fits in gpu_mem GiB."""
+    states, host = p.memory[(zero_stage, offload)]
+    total = p.gpu_bytes(zero_stage, offload, checkpointing)
+    fits = "" if gpu_mem is None else f" {'fits' if total <= gpu_mem * GiB else 'does not fit'} in {gpu_mem:g} GiB"
+    return (f"ZeRO-{zero_stage}{' + CPU offload' if offload else ''} on {gpus} devices needs {total / GiB:.1f} GiB per "
+            f"device (model states {states / GiB:.1f}, activations {p.activations[checkpointing] / GiB:.1f}"
+            f"{f', live parameters {p.live_parameters / GiB:.1f}' if zero_stage == 3 else ''}){fits}; host "
+            f"{host / GiB:.1f} GiB per node")
 
 
 def render(p: Plan, name: str, gpus: int, gpu_mem: float | None, seq_len: int, micro_batch: int, tokens_given: bool,
-           peak_tflops: float, mfu: float) -> str:
-    lines = [f"model {name}: {p.n_params / 1e9:.3f}B parameters",
+           peak_tflops: float, mfu: float, checkpointing: bool) -> str:
+    active = f" ({p.active_params / 1e9:.3f}B active per token)" if p.active_params != p.n_params else ""
+    lines = [f"model {name}: {p.n_params / 1e9:.3f}B parameters{active}",
              f"training FLOPs per token (seq {seq_len}): {p.flops_per_token:.4g}",
              f"compute-optimal tokens (20 per parameter): {p.optimal_tokens / 1e9:.1f}B",
              f"training FLOPs for {'the given' if tokens_given else 'the compute-optimal'} tokens: {p.train_flops:.4g}",
              f"time on {gpus} GPUs at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s: {p.days:.1f} days",
              f"activations per GPU (micro-batch {micro_batch}): {p.activations[False] / GiB:.1f} GiB, "
              f"{p.activations[True] / GiB:.1f} GiB with activation checkpointing",
-             f"model states per GPU on {gpus} GPUs (bf16 weights and grads, fp32 Adam):"]
-    for (z, off), b in p.memory.items():
-        total = b + p.activations[True]
+             f"per GPU on {gpus} GPUs: model states + activations{' (checkpointed)' if checkpointing else ''} "
+             "[+ ZeRO-3 live parameters] = total; host memory per node:"]
+    for z, off in STAGES:
+        states, host = p.memory[(z, off)]
+        total = p.gpu_bytes(z, off, checkpointing)
         fits = "" if gpu_mem is None else ("  fits" if total <= gpu_mem * GiB else "  does not fit")
-        lines.append(f"  ZeRO-{z}{' + CPU offload' if off else '':15s} {b / GiB:12.1f} GiB{fits}")
+        lines.append(f"  ZeRO-{z}{' + CPU offload' if off else '':15s} {states / GiB:10.1f} + "
+                     f"{p.activations[checkpointing] / GiB:.1f}{f' + {p.live_parameters / GiB:.1f}' if z == 3 else ''}"
+                     f" = {total / GiB:.1f} GiB{fits}; host {host / GiB:.1f} GiB")
+    lines.append(assumptions(p, micro_batch, seq_len, checkpointing))
     return "\n".join(lines)
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """What one process may use: the GPU's memory, or on the CPU the host's memory shared by its local ranks."""
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GiB
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    except (ValueError, OSError):
+        return None
+    return host / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int) -> str:
+    """The planner's verdict for a stage as configured (its micro-batch and sequence length, the distributed
+    section's ZeRO stage, offload and checkpointing, this device's memory), for an out-of-memory message."""
+    dist = cfg.distributed
+    seq_len = getattr(train, "seq_len", None) or getattr(train, "max_length", None) or cfg.model.arch().n_positions
+    p = make_plan(cfg.model.arch(), vocab_size, seq_len, train.micro_batch_size, world,
+                  gpus_per_node=dist.nproc_per_node)
+    line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world,
+                   device_memory_gib(device))
+    return f"the planner ({cfg.model.name()}): {line}"

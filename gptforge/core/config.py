@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -119,21 +119,58 @@ class TokenizerSection(Section):
         return self
 
 
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+         "GIB": 2**30, "TIB": 2**40}
+
+
+def size_in_bytes(size: str | int) -> int:
+    """'5GB' -> 5_000_000_000 (also KB, MB, TB and the binary KiB ... TiB; a bare number is bytes)."""
+    text = str(size).strip().upper()
+    number = text.rstrip("KMGTIB ")
+    unit = text[len(number):].strip()
+    try:
+        value = float(number) * UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"{size!r} is not a size (bytes, or a number with KB, MB, GB, TB, KiB, MiB, GiB, "
+                         "TiB)") from None
+    if value < 1:
+        raise ValueError(f"{size!r} is not a positive size")
+    return int(value)
+
+
 class ModelSection(Section):
-    preset: str = Setting("tiny", description="Architecture preset (gptforge/core/presets.py): tiny, llama-tiny, "
-                          "gpt2-124m ... gpt2-1.5b, gpt3-small ... gpt3-175b, llama-160m, llama-1b, llama-7b.")
+    preset: str = Setting("tiny", description="Architecture preset (gptforge/core/presets.py): tiny, gpt2-124m..1.5b, "
+                          "gpt3-small..175b, llama-tiny..7b; mixture of experts: moe-tiny, moe-1b, mixtral-8x7b.")
     n_layer: int | None = Setting(None, ge=1, description="Override the preset's number of layers.")
     n_head: int | None = Setting(None, ge=1, description="Override the preset's attention heads.")
     n_embd: int | None = Setting(None, ge=1, description="Override the preset's hidden size.")
     n_positions: int | None = Setting(None, ge=1, description="Override the preset's context length.")
-    n_kv_head: int | None = Setting(None, ge=1, description="Override the key/value heads (Llama family).")
+    n_kv_head: int | None = Setting(None, ge=1, description="Override the key/value heads (Llama, MoE).")
+    intermediate_size: int | None = Setting(None, ge=1, description="Override the MLP width (each expert's in an "
+                                            "MoE).")
+    n_experts: int | None = Setting(None, ge=1, description="Override the number of experts (MoE presets).")
+    experts_per_token: int | None = Setting(None, ge=1, description="Override the experts routed to each token "
+                                            "(top-k; MoE presets).")
     dropout: float = Setting(0.0, ge=0, lt=1, description="Dropout on embeddings, attention and residuals.")
+    max_shard_size: str = Setting("5GB", same_result=True, description="Largest safetensors file of an exported "
+                                  "model (bytes, or with a unit: 500MB, 5GB, 2GiB); larger models are sharded with "
+                                  "an index file.")
+
+    OVERRIDES: ClassVar[tuple[str, ...]] = ("n_layer", "n_head", "n_embd", "n_positions", "n_kv_head",
+                                            "intermediate_size", "n_experts", "experts_per_token")
 
     def arch(self):
         """The preset with this section's overrides applied (vocab size comes from the tokenizer)."""
-        return PRESETS[self.preset].with_overrides(
-            n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-            n_positions=self.n_positions, n_kv_head=self.n_kv_head)
+        return PRESETS[self.preset].with_overrides(**{k: getattr(self, k) for k in self.OVERRIDES})
+
+    @property
+    def shard_bytes(self) -> int:
+        return size_in_bytes(self.max_shard_size)
+
+    def name(self) -> str:
+        """The preset's name, with the overrides when there are any: `gpt3-175b (n_layer=48)`."""
+        changed = [f"{k}={getattr(self, k)}" for k in self.OVERRIDES if getattr(self, k) is not None]
+        return f"{self.preset} ({', '.join(changed)})" if changed else self.preset
 
     @model_validator(mode="after")
     def _shapes(self):
@@ -144,6 +181,16 @@ class ModelSection(Section):
             raise ValueError(f"n_embd={a.n_embd} is not divisible by n_head={a.n_head}")
         if a.n_kv_head and a.n_head % a.n_kv_head:
             raise ValueError(f"n_head={a.n_head} is not divisible by n_kv_head={a.n_kv_head}")
+        if not a.is_moe and (self.n_experts or self.experts_per_token):
+            raise ValueError(f"model.n_experts and model.experts_per_token need a mixture-of-experts preset "
+                             f"(moe-tiny, moe-1b, mixtral-8x7b); {self.preset} is dense")
+        try:
+            size_in_bytes(self.max_shard_size)
+        except ValueError as e:
+            raise ValueError(f"model.max_shard_size: {e}") from None
+        if a.is_moe and a.experts_per_token > a.n_experts:
+            raise ValueError(f"model.experts_per_token={a.experts_per_token} is more than the model's "
+                             f"n_experts={a.n_experts}: each token is routed to experts_per_token of n_experts")
         return self
 
 
@@ -301,6 +348,19 @@ class PreferenceSection(TrainSection):
 class EvalSection(Section):
     max_new_tokens: int = Setting(8, ge=1, description="Tokens generated per held-out item.")
     items: int = Setting(200, ge=1, description="Held-out items evaluated.")
+    batch_size: int = Setting(64, ge=1, description="Items generated and scored together; the batches are fixed, "
+                              "whatever the number of processes.")
+    processes: Literal["auto", "one", "all"] = Setting(
+        "auto", same_result=True, description="one process, or all of the distributed layout's (a share of the "
+        "batches each); auto: all with a GPU here or nodes over ssh/slurm.")
+
+    def distributed(self, dist) -> bool:
+        """Whether the evaluation step runs on every process of the `distributed` section's layout."""
+        if self.processes != "auto":
+            return self.processes == "all"
+        import torch
+
+        return torch.cuda.is_available() or dist.node_launcher != "local"
 
 
 class PipelineConfig(Section):

@@ -1,4 +1,5 @@
-"""Model presets: GPT-2 family, GPT-3 family (Brown et al. 2020, Table 2.1), Llama-style, and `tiny`.
+"""Model presets: GPT-2 family, GPT-3 family (Brown et al. 2020, Table 2.1), Llama-style, mixture-of-experts
+(Mixtral-style: Jiang et al. 2024), and the CPU-sized `tiny` ones.
 
 A preset is an `Arch`: plain architecture fields, which `gptforge.model.build` turns into a `transformers`
 config. They live in the core because the config schema validates `model.preset` against them.
@@ -11,16 +12,24 @@ from dataclasses import asdict, dataclass, replace
 class Arch:
     """Architecture of a decoder-only transformer."""
 
-    family: str  # "gpt2" (learned positions, LayerNorm, GELU) or "llama" (RoPE, RMSNorm, SwiGLU, GQA)
+    family: str  # "gpt2" (learned positions, LayerNorm, GELU), "llama" (RoPE, RMSNorm, SwiGLU, GQA) or
+    # "mixtral" (llama with each MLP replaced by n_experts SwiGLU experts, experts_per_token routed to each token)
     n_layer: int
     n_head: int
     n_embd: int
     n_positions: int
     vocab_size: int = 50257
     n_kv_head: int | None = None  # llama only; None means n_head (no grouping)
-    intermediate_size: int | None = None  # MLP width; None means 4*n_embd (gpt2) or ~8/3*n_embd (llama)
+    intermediate_size: int | None = None  # MLP (each expert's) width; None: 4*n_embd (gpt2), ~8/3*n_embd (others)
+    n_experts: int | None = None  # mixtral only
+    experts_per_token: int | None = None  # mixtral only: top-k routing
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family == "mixtral"
 
     def with_overrides(self, **overrides) -> "Arch":
+        """This architecture with the given fields replaced (None: kept)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def as_dict(self) -> dict:
@@ -58,4 +67,11 @@ PRESETS: dict[str, Arch] = {
                      n_kv_head=8, intermediate_size=8192),
     "llama-7b": Arch("llama", n_layer=32, n_head=32, n_embd=4096, n_positions=4096, vocab_size=32000,
                      n_kv_head=32, intermediate_size=11008),
+    # Mixture of experts, Mixtral-style: top-2 of 8 SwiGLU experts in every layer, GQA attention.
+    "moe-tiny": Arch("mixtral", n_layer=4, n_head=4, n_embd=128, n_positions=128, vocab_size=512, n_kv_head=2,
+                     intermediate_size=176, n_experts=4, experts_per_token=2),
+    "moe-1b": Arch("mixtral", n_layer=12, n_head=12, n_embd=768, n_positions=2048, vocab_size=32000, n_kv_head=4,
+                   intermediate_size=2048, n_experts=8, experts_per_token=2),
+    "mixtral-8x7b": Arch("mixtral", n_layer=32, n_head=32, n_embd=4096, n_positions=4096, vocab_size=32000,
+                         n_kv_head=8, intermediate_size=14336, n_experts=8, experts_per_token=2),
 }

@@ -2,9 +2,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from gptforge.core.config import load_config
 from gptforge.core.presets import PRESETS
-from gptforge.model.plan import make_plan, model_state_bytes
+from gptforge.model.build import build_model
+from gptforge.model.plan import GiB, activation_bytes, make_plan
 from tests.conftest import ROOT
 
 
@@ -16,23 +19,103 @@ def test_gpt3_175b_against_the_paper():
     assert p.train_flops == pytest.approx(3.14e23, rel=0.05)
     assert p.flops_per_token == pytest.approx(6 * p.n_params + 12 * 96 * 12288 * 2048)
     assert p.optimal_tokens == pytest.approx(20 * p.n_params)
-    # ZeRO-0 holds 16 bytes per parameter on every GPU (2.8 TB); ZeRO-3 divides all of it by N.
-    assert p.memory[(0, False)] == pytest.approx(16 * p.n_params)
-    assert p.memory[(3, False)] == pytest.approx(16 * p.n_params / 1024)
+    assert p.largest_layer == 50257 * 12288  # the embedding
+    # ZeRO-0 holds 20 bytes per parameter on every GPU; ZeRO-3 partitions 18 of them and gathers the largest layer.
+    assert p.memory[(0, False)][0] == pytest.approx(20 * p.n_params)
+    assert p.memory[(3, False)][0] == pytest.approx(4 * p.largest_layer + 18 * p.n_params / 1024)
 
 
-def test_zero_stages_by_hand():
-    n, gpus = 1_000_000, 4
-    assert model_state_bytes(n, 1, gpus, False) == 2 * n + 2 * n + 12 * n / 4
-    assert model_state_bytes(n, 2, gpus, False) == 2 * n + 2 * n / 4 + 12 * n / 4
-    assert model_state_bytes(n, 2, gpus, True) == 2 * n + 2 * n / 4
+def _count(arch):
+    with torch.device("meta"):
+        model = build_model(arch, arch.vocab_size)
+    total = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return total, largest
 
 
-def test_plan_command():
-    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--set", "model.preset=gpt3-175b",
-                           "--set", "pretrain.seq_len=2048", "--set", "pretrain.micro_batch_size=1",
-                           "--set", "pretrain.global_batch_size=2", "--gpus", "1024", "--gpu-mem", "80",
-                           "--tokens", "300e9"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert "174.6" in proc.stdout and "ZeRO-3" in proc.stdout and "days" in proc.stdout
-    assert "does not fit" in proc.stdout.splitlines()[7]  # ZeRO-0 on 80 GiB
+@pytest.mark.parametrize("preset", ["gpt2-1.5b", "llama-7b", "gpt3-13b", "mixtral-8x7b"])
+@pytest.mark.parametrize("gpus_per_node,nodes", [(8, 1), (8, 4), (4, 1)])
+def test_model_states_match_deepspeeds_estimators(preset, gpus_per_node, nodes):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    arch = PRESETS[preset]
+    total, largest = _count(arch)
+    p = make_plan(arch, arch.vocab_size, 2048, 1, gpus_per_node * nodes, gpus_per_node=gpus_per_node)
+    assert p.n_params == total and p.largest_layer == largest
+    for offload in (False, True):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(total, gpus_per_node, nodes, cpu_offload=offload)
+        ours_gpu, ours_cpu = p.memory[(2, offload)]
+        assert ours_gpu == pytest.approx(gpu, rel=0.05), ("ZeRO-2", offload)
+        if nodes == 1 or not offload:  # several nodes, offload: we count a node's share (see gptforge.model.plan)
+            assert ours_cpu == pytest.approx(cpu, rel=0.05), ("ZeRO-2 host", offload)
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus_per_node, nodes, cpu_offload=offload,
+                                                            cpu_offload_params=False, zero_init=True)
+        ours_gpu, ours_cpu = p.memory[(3, offload)]
+        assert ours_gpu == pytest.approx(gpu, rel=0.05), ("ZeRO-3", offload)
+        assert ours_cpu == pytest.approx(cpu, rel=0.05), ("ZeRO-3 host", offload)
+
+
+def test_activations_count_one_layers_recompute_and_the_logits():
+    arch = PRESETS["gpt2-124m"]
+    s, b, V = 1024, 4, 50257
+    full = activation_bytes(arch, V, s, b, checkpointing=False)
+    ckpt = activation_bytes(arch, V, s, b, checkpointing=True)
+    logits = 10 * s * b * V
+    layer = (full - logits) / arch.n_layer
+    assert layer == pytest.approx(34 * s * b * 768 + 5 * 12 * s * s * b)  # Korthikanti et al. for a 4h MLP
+    assert ckpt == pytest.approx(arch.n_layer * 2 * s * b * 768 + layer + logits)
+
+
+def test_a_mixture_of_experts_computes_with_its_active_parameters():
+    arch = PRESETS["mixtral-8x7b"]
+    p = make_plan(arch, arch.vocab_size, 4096, 1, 64)
+    assert p.n_params == pytest.approx(46.7e9, rel=0.01)  # Mixtral 8x7B as published: 46.7B, 12.9B active
+    assert p.active_params == pytest.approx(12.9e9, rel=0.01)
+    assert p.flops_per_token == pytest.approx(6 * p.active_params + 12 * 32 * 4096 * 4096)
+    assert p.memory[(3, False)][0] == pytest.approx(4 * p.largest_layer + 18 * p.n_params / 64)  # memory: all
+
+
+def test_a_llama2_70b_shape_from_overrides():
+    cfg = load_config(None, ["model.preset=llama-7b", "model.n_layer=80", "model.n_embd=8192", "model.n_head=64",
+                             "model.n_kv_head=8", "model.intermediate_size=28672"])
+    p = make_plan(cfg.model.arch(), 32000, 4096, 1, 64)
+    assert p.n_params == pytest.approx(69e9, rel=0.02)
+    assert cfg.model.name() == ("llama-7b (n_layer=80, n_head=64, n_embd=8192, n_kv_head=8, "
+                                "intermediate_size=28672)")
+
+
+def test_plan_command_states_its_verdict_and_assumptions():
+    def plan(gpus):
+        proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--set", "model.preset=gpt3-175b",
+                               "--set", "model.n_positions=2048", "--set", "pretrain.seq_len=2048",
+                               "--set", "pretrain.micro_batch_size=1", "--set", "pretrain.global_batch_size=1024",
+                               "--set", "distributed.activation_checkpointing=true", "--gpus", str(gpus),
+                               "--gpu-mem", "80", "--tokens", "300e9"], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        return {line.split()[0] + (" offload" if "offload" in line else ""): line
+                for line in proc.stdout.splitlines() if line.startswith("  ZeRO")}, proc.stdout
+
+    rows, out = plan(1024)
+    assert "174.6" in out and "days" in out and "(n_positions=2048)" in out.splitlines()[0]
+    assert "does not fit" in rows["ZeRO-0"] and " fits" in rows["ZeRO-3"]
+    assert "one layer recomputed" in out and "live parameters" in out and "assumed:" in out
+    rows, _ = plan(8)  # 8 GPUs of 80 GB: ZeRO-3 holds 18*175e9/8 = 367 GiB of model states each
+    assert all("does not fit" in row for stage, row in rows.items() if stage != "ZeRO-3 offload")
+    # Offloaded, the GPUs hold 2 bytes a parameter over 8, but the node needs 16 bytes a parameter of host memory.
+    host = float(rows["ZeRO-3 offload"].split("host ")[1].split()[0])
+    assert " fits" in rows["ZeRO-3 offload"] and host == pytest.approx(16 * 174.6e9 * 1.5 / GiB, rel=1e-3)
+
+
+def test_out_of_memory_message_quotes_the_planner(tmp_path):
+    from gptforge.core.errors import UserError
+    from gptforge.model.engine import startup_oom
+    from gptforge.model.plan import stage_verdict
+
+    cfg = load_config(None, ["model.preset=gpt2-1.5b", "distributed.zero_stage=2"])
+    verdict = stage_verdict(cfg, cfg.pretrain, 2, torch.device("cpu"), 50257)
+    with pytest.raises(UserError) as e, startup_oom(cfg.distributed, cfg.pretrain, verdict=lambda: verdict):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    message = str(e.value)
+    assert "distributed.zero_stage=2" in message and "the planner (gpt2-1.5b): ZeRO-2 on 2 devices needs" in message
+    assert f"{make_plan(PRESETS['gpt2-1.5b'], 50257, cfg.pretrain.seq_len, cfg.pretrain.micro_batch_size, 2, gpus_per_node=2).gpu_bytes(2, False, False) / GiB:.1f} GiB" in message  # noqa: E501
