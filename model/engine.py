@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,10 +16,22 @@ from gptforge.core.errors import UserError
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
 
 
-def zero_config(dist, device: torch.device) -> dict:
+def zero_config(dist, device: torch.device, hidden_size: int | None = None) -> dict:
     """configs/deepspeed/zero<N>.json with CPU offload and bf16 as the `distributed` section asks; batch
-    sizes, clipping and the optimizer are left "auto" (the Trainer fills them) or to `deepspeed_config`."""
+    sizes, clipping and the optimizer are left "auto" (the Trainer fills them) or to `deepspeed_config`.
+    Given the model's hidden size, ZeRO-3's buckets are sized to it as transformers sizes its "auto" ones
+    (hidden² elements), and the parameters it keeps gathered (live, or kept for reuse) to under a layer's
+    (10·hidden², DeepSpeed's 1e9 at most), and the optimizer steps a layer's worth (12·hidden²) at a time, so that
+    a small model does not hold buffers meant for a large one, nor stay gathered whole between forward and
+    backward, nor step its whole partition's temporaries at once."""
     cfg = json.loads((DS_CONFIGS / f"zero{dist.zero_stage}.json").read_text())
+    if dist.zero_stage == 3 and hidden_size:
+        cfg["zero_optimization"].update(reduce_bucket_size=hidden_size * hidden_size,
+                                        stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
+                                        stage3_param_persistence_threshold=10 * hidden_size,
+                                        stage3_max_live_parameters=min(10**9, 10 * hidden_size * hidden_size),
+                                        stage3_max_reuse_distance=min(10**9, 10 * hidden_size * hidden_size),
+                                        sub_group_size=min(10**9, 12 * hidden_size * hidden_size))
     if dist.offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
         cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW on the CPU: no cpu_adam build
@@ -31,9 +44,10 @@ def uses_bf16(dist, device: torch.device) -> bool:
     return device.type == "cuda" and dist.precision in ("auto", "bf16")
 
 
-def deepspeed_config(dist, train, world: int, device: torch.device) -> dict:
-    """The ZeRO config with the section's batch, AdamW and clipping filled in."""
-    cfg = zero_config(dist, device)
+def deepspeed_config(dist, train, world: int, device: torch.device, hidden_size: int | None = None) -> dict:
+    """The ZeRO config with the section's batch, AdamW and clipping filled in (ZeRO-3's buckets sized to the
+    model's hidden size, when given)."""
+    cfg = zero_config(dist, device, hidden_size)
     cfg.update(
         train_batch_size=train.global_batch_size,
         train_micro_batch_size_per_gpu=train.micro_batch_size,
@@ -46,9 +60,13 @@ def deepspeed_config(dist, train, world: int, device: torch.device) -> dict:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on biases, norms)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Weight decay on matrices only (not on biases, norms). A parameter partitioned by ZeRO-3 at build time holds
+    an empty tensor: its shape is `ds_shape`."""
+    def matrix(p) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    decay = [p for p in model.parameters() if p.requires_grad and matrix(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not matrix(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -65,15 +83,66 @@ def lr_schedule(optimizer, train):
                                                         min_lr_rate=min_lr_rate(train))
 
 
-def init_engine(model, train, dist, world: int, device: torch.device, universal: bool = False):
-    """deepspeed.initialize with AdamW (decay on matrices), warmup+cosine lr and the section's batch; `universal`:
-    to load a universal checkpoint (an elastic resume). Returns (engine, scheduler, gradient accumulation steps)."""
+def inference_config(dist, device: torch.device, world: int, hidden_size: int | None, partition: bool) -> dict:
+    """The config of models only run forward (`frozen`) outside a training stage: ZeRO-3 when `partition`, else
+    ZeRO-0; the distributed section's precision; one sequence a micro-batch (DeepSpeed wants a batch)."""
+    cfg = zero_config(dist.model_copy(update={"zero_stage": 3 if partition else 0, "offload_optimizer": False}),
+                      device, hidden_size)
+    cfg.update(train_batch_size=world, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    return cfg
+
+
+@contextlib.contextmanager
+def partitioned(config: dict):
+    """Under ZeRO-3, the models built in the block (from_pretrained, from_config) are partitioned as they are
+    built: transformers reads the DeepSpeed config and builds under deepspeed.zero.Init, and from_pretrained
+    reads the weights on rank 0 only (memory-mapped), a module at a time, handing each rank its partition. No
+    rank holds the whole model. Other stages: a plain block."""
+    if config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(config)  # transformers holds it by a weak reference: kept alive for the block
+    try:
+        yield
+    finally:
+        del hf_config
+        unset_hf_deepspeed_config()
+
+
+def frozen(model, config: dict, device: torch.device):
+    """A model that is only run forward (a reference or reward model, a sampler) as the training engines hold
+    theirs: under ZeRO-3 a DeepSpeed engine without an optimizer over the partitioned model (build it inside
+    `partitioned`); otherwise the model on the device, in the engines' precision."""
+    model.eval().requires_grad_(False)
+    if config["zero_optimization"]["stage"] != 3:
+        return model.to(device, torch.bfloat16) if config.get("bf16", {}).get("enabled") else model.to(device)
     import deepspeed
 
-    config = deepspeed_config(dist, train, world, device)
+    inference = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler", "gradient_clipping")}
+    inference["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                      if not k.startswith("offload_optimizer")}
+    engine, *_ = deepspeed.initialize(model=model, config=inference)
+    engine.eval()  # DeepSpeedEngine.train returns None, not the engine
+    return engine
+
+
+def unwrap(model):
+    """The transformers model inside a DeepSpeed engine (for generate), or the model itself."""
+    return getattr(model, "module", model)
+
+
+def init_engine(model, config: dict, train, dist, universal: bool = False, verdict: Callable[[], str] | None = None):
+    """deepspeed.initialize with `config` (from deepspeed_config: AdamW, the section's batch), decay on matrices
+    only and warmup+cosine lr; `universal`: to load a universal checkpoint (an elastic resume); `verdict`: the
+    planner's, for an out-of-memory message. Returns (engine, scheduler, gradient accumulation steps)."""
+    import deepspeed
+
     if universal:
-        config["checkpoint"] = {"load_universal": True}
-    with startup_oom(dist, train):
+        config = {**config, "checkpoint": {"load_universal": True}}
+    with startup_oom(dist, train, verdict=verdict):
         engine, _, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, train.weight_decay), config=config,
             lr_scheduler=lambda opt: lr_schedule(opt, train))
@@ -87,9 +156,10 @@ def is_oom(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def startup_oom(dist, train, active: bool = True):
+def startup_oom(dist, train, active: bool = True, verdict: Callable[[], str] | None = None):
     """Running out of memory inside the block (engine set-up, the first step) ends the stage with one
-    message naming the settings to change, instead of an allocator traceback."""
+    message naming the settings to change and the planner's verdict (`verdict()`), instead of an allocator
+    traceback."""
     try:
         yield
     except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -101,7 +171,7 @@ def startup_oom(dist, train, active: bool = True):
             f"distributed.offload_optimizer={dist.offload_optimizer}, "
             f"{name}.micro_batch_size={train.micro_batch_size}; "
             "raise distributed.zero_stage, set distributed.offload_optimizer or distributed.activation_checkpointing, "
-            f"or lower {name}.micro_batch_size") from None
+            f"or lower {name}.micro_batch_size" + (f"; {verdict()}" if verdict else "")) from None
 
 
 def grad_norm(engine) -> float | None:

@@ -16,20 +16,36 @@ def stop_ids(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos])
 
 
+def no_router_loss(model) -> dict:
+    """generate() arguments that turn a mixture-of-experts model's router logits off: their load-balancing loss is
+    for training, and under a KV cache its padding mask (the whole sequence) no longer matches the new tokens."""
+    return {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 64,
-             do_sample: bool = False, **sampling) -> list[str]:
-    """Responses to chat prompts (left-padded batches, KV cache), cut at the first stop token."""
+             do_sample: bool = False, synced: bool = False, **sampling) -> list[str]:
+    """Responses to chat prompts (left-padded batches, KV cache), cut at the first stop token. `synced`: the model
+    is partitioned over the ranks (ZeRO-3), so every rank generates in step with the others, the same number of
+    batches (a rank with fewer prompts generates for a dummy one meanwhile) and until the last rank's batch ends."""
     model.eval()
     stops, pad = stop_ids(model), tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    batches = -(-len(prompts) // batch_size)
+    if synced:
+        count = torch.tensor([batches], device=device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        batches = int(count.item())
     responses = []
-    for i in range(0, len(prompts), batch_size):
-        ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts[i:i + batch_size]], pad)
+    for i in range(0, batches * batch_size, batch_size):
+        batch = prompts[i:i + batch_size] or [[{"role": "user", "content": ""}]]  # a dummy in step with the others
+        ids, attention = left_pad([prompt_ids(tokenizer, p) for p in batch], pad)
         T = ids.shape[1]
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
+        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
                              max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
-                             eos_token_id=list(stops), use_cache=True, **sampling)
-        for row in out[:, T:].tolist():
+                             eos_token_id=list(stops), use_cache=True, synced_gpus=synced, **sampling,
+                             **no_router_loss(model))
+        for row in out[:, T:].tolist()[:len(prompts[i:i + batch_size])]:
             cut = next((k for k, t in enumerate(row) if t in stops), len(row))
             responses.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
     return responses
@@ -40,9 +56,35 @@ def verify(responses: list[str], answers: list[str]) -> list[float]:
     return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
 
 
-def exact_match(model, tokenizer, items: list[dict], max_new_tokens: int) -> tuple[float, list[str]]:
-    """Fraction of items whose greedy response is the known answer (`verify`); and the responses."""
-    responses = generate(model, tokenizer, [it["prompt"] for it in items], max_new_tokens)
+def shares(n: int, batch_size: int, rank: int, world: int) -> list[range | None]:
+    """The item ranges this rank evaluates: fixed batches of the n items (the same whatever the world size, so the
+    results are too), every world-th one from the rank's own; padded with None to as many as any rank has, so
+    that partitioned (ZeRO-3) models run every forward pass in step on all ranks."""
+    batches = [range(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    mine = batches[rank::world]
+    return mine + [None] * (-(-len(batches) // world) - len(mine))
+
+
+def gather_items(records: list[tuple[int, dict]], world: int) -> list[dict]:
+    """Every rank's (item index, record) pairs, on every rank, in item order."""
+    if world > 1:
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, records)
+        records = [r for part in parts for r in part]
+    return [r for _, r in sorted(records, key=lambda r: r[0])]
+
+
+def exact_match(model, tokenizer, items: list[dict], max_new_tokens: int, batch_size: int = 64, rank: int = 0,
+                world: int = 1, synced: bool = False) -> tuple[float, list[str]]:
+    """Fraction of items whose greedy response is the known answer (`verify`); and the responses. Each rank
+    answers its share of the batches (`shares`); `synced`: the model is partitioned (ZeRO-3)."""
+    records = []
+    for share in shares(len(items), batch_size, rank, world):
+        batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
+        answers = generate(model, tokenizer, [it["prompt"] for it in batch], max_new_tokens, batch_size,
+                           synced=synced)
+        records += list(zip(share, answers)) if share else []
+    responses = gather_items(records, world)
     return sum(verify(responses, [it["answer"] for it in items])) / len(items), responses
 
 
@@ -63,29 +105,42 @@ def reward_scores(reward_model, tokenizer, prompts: list[list[dict]], responses:
 
 
 @torch.no_grad()
-def response_logprobs(model, tokenizer, prompts: list[list[dict]], responses: list[list[int]]) -> list[float]:
-    """Sum of log-probabilities of each response's tokens given its prompt."""
+def response_logprobs(model, tokenizer, prompts: list[list[dict]], responses: list[list[int]],
+                      batch_size: int = 64) -> list[float]:
+    """Sum of log-probabilities of each response's tokens given its prompt (right-padded batches)."""
     model.eval()
+    device = next(model.parameters()).device
     out = []
-    for p, r in zip(prompts, responses):
-        ids = prompt_ids(tokenizer, p)
-        x = torch.tensor([ids + r], device=model.device)
-        logp = torch.log_softmax(model(input_ids=x).logits[0, len(ids) - 1:-1].float(), -1)  # (len(r), V)
-        out.append(logp.gather(-1, torch.tensor(r, device=model.device)[:, None]).sum().item())
+    for i in range(0, len(prompts), batch_size):
+        starts = [len(prompt_ids(tokenizer, p)) for p in prompts[i:i + batch_size]]
+        seqs = [prompt_ids(tokenizer, p) + r for p, r in zip(prompts[i:i + batch_size], responses[i:i + batch_size])]
+        x, a, _ = collate([(s, s) for s in seqs], tokenizer.pad_token_id)
+        x, a = x.to(device), a.to(device)
+        logp = torch.log_softmax(model(input_ids=x, attention_mask=a).logits[:, :-1].float(), -1)  # (B, T-1, V)
+        token_logp = logp.gather(-1, x[:, 1:, None])[..., 0]  # (B, T-1): log p of each next token
+        for row, (start, seq) in enumerate(zip(starts, seqs)):
+            out.append(token_logp[row, start - 1:len(seq) - 1].sum().item())
     return out
 
 
 @torch.no_grad()
-def sample_response_ids(model, tokenizer, prompt: list[dict], max_new_tokens: int, generator_seed: int) -> list[int]:
-    """One sampled response (temperature 1), as token ids up to and including the first stop token."""
-    ids = torch.tensor([prompt_ids(tokenizer, prompt)], device=model.device)
-    torch.manual_seed(generator_seed)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                         top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=list(stop_ids(model)))[0, ids.shape[1]:].tolist()
+def sample_responses(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, seed: int,
+                     synced: bool = False) -> list[list[int]]:
+    """One sampled response per prompt (temperature 1, one batch seeded by `seed`), as token ids up to and
+    including the first stop token."""
+    ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
+    device = next(model.parameters()).device
     stops = stop_ids(model)
-    cut = next((k + 1 for k, t in enumerate(out) if t in stops), len(out))
-    return out[:cut]
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=True,
+                         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=list(stops), synced_gpus=synced,
+                         **no_router_loss(model))
+    responses = []
+    for row in out[:, ids.shape[1]:].tolist():
+        cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
+        responses.append(row[:cut])
+    return responses
 
 
 def win_rate(answers: list[str], other_answers: list[str], scores: list[float], other_scores: list[float]) -> float:
@@ -97,22 +152,34 @@ def win_rate(answers: list[str], other_answers: list[str], scores: list[float], 
 
 
 def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
-                      seed: int = 0) -> tuple[dict, list[str]]:
+                      seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
+                      synced: bool = False) -> tuple[dict, list[str]]:
     """Held-out metrics of a preference stage: exact match of the policy and of the SFT model, the reward
     model's mean score of the policy's answers, its win rate against the SFT model's answers (ties count
     half), and KL(policy || SFT) estimated on samples from the policy (nats per response); and the policy's
-    greedy answers."""
-    prompts = [it["prompt"] for it in items]
-    em, policy_answers = exact_match(policy, tokenizer, items, max_new_tokens)
-    sft_em, sft_answers = exact_match(sft, tokenizer, items, max_new_tokens)
-    policy_scores = reward_scores(reward_model, tokenizer, prompts, policy_answers)
-    sft_scores = reward_scores(reward_model, tokenizer, prompts, sft_answers)
-    samples = [sample_response_ids(policy, tokenizer, p, max_new_tokens, seed + i) for i, p in enumerate(prompts)]
-    kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, samples),
-                                response_logprobs(sft, tokenizer, prompts, samples))]
-    return {"exact_match": em, "sft_exact_match": sft_em,
-            "win_rate_vs_sft": win_rate(policy_answers, sft_answers, policy_scores, sft_scores),
-            "reward_mean": sum(policy_scores) / len(policy_scores), "kl": sum(kl) / len(kl)}, policy_answers
+    greedy answers. Batched; each rank takes its share of the batches (`shares`), every rank gets the report;
+    `synced`: the models are partitioned (ZeRO-3)."""
+    records = []
+    for share in shares(len(items), batch_size, rank, world):
+        batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
+        prompts = [it["prompt"] for it in batch]
+        answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced)
+                   for name, model in (("policy", policy), ("sft", sft))}
+        scores = {name: reward_scores(reward_model, tokenizer, prompts, answers[name], batch_size)
+                  for name in answers}
+        samples = sample_responses(policy, tokenizer, prompts, max_new_tokens, seed + (share or range(1))[0],
+                                   synced)
+        kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, samples, batch_size),
+                                    response_logprobs(sft, tokenizer, prompts, samples, batch_size))]
+        records += [(i, {"answer": answers["policy"][j], "sft_answer": answers["sft"][j], "score": scores["policy"][j],
+                         "sft_score": scores["sft"][j], "kl": kl[j]}) for j, i in enumerate(share or [])]
+    rows = gather_items(records, world)
+    col = {key: [r[key] for r in rows] for key in rows[0]}
+    truth = [it["answer"] for it in items]
+    return {"exact_match": sum(verify(col["answer"], truth)) / len(items),
+            "sft_exact_match": sum(verify(col["sft_answer"], truth)) / len(items),
+            "win_rate_vs_sft": win_rate(col["answer"], col["sft_answer"], col["score"], col["sft_score"]),
+            "reward_mean": sum(col["score"]) / len(items), "kl": sum(col["kl"]) / len(items)}, col["answer"]
 
 
 def check_same_vocabulary(a, b, what: str) -> None:

@@ -1,9 +1,10 @@
-"""Every stage's output model as a Hugging Face directory: safetensors weights, config, the tokenizer with its
-chat template, and a generation config whose stop tokens come from the tokenizer (`stop_token_ids`), the
-one place they are decided."""
+"""Every stage's output model as a Hugging Face directory: safetensors weights in shards (written a parameter at
+a time, so a ZeRO-3 model is never gathered whole), config, the tokenizer with its chat template, and a
+generation config whose stop tokens come from the tokenizer (`stop_token_ids`), the one place they are decided."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -28,17 +29,6 @@ def stop_token_ids(tokenizer) -> list[int]:
     return stops
 
 
-def full_state_dict(model: torch.nn.Module, zero_stage: int, rank: int) -> dict | None:
-    """The whole model's weights on rank 0 (ZeRO-3 partitions gathered); None on other ranks."""
-    if zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            sd = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None
-        return sd
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()} if rank == 0 else None
-
-
 def save_tokenizer_and_generation_config(tokenizer, out: Path, context_length: int) -> None:
     """The tokenizer (its model_max_length the model's context) and a generation config stopping at
     `stop_token_ids(tokenizer)`."""
@@ -54,42 +44,81 @@ def context_length(config) -> int:
     return getattr(config, "n_positions", None) or config.max_position_embeddings
 
 
-def export_hf(model, state_dict: dict, tokenizer, out: Path) -> None:
-    """Write a model and its weights (from `full_state_dict`) as a Hugging Face directory (rank 0); a tied weight
-    (GPT-2's lm_head is its embedding) is stored once, even when gathered as a copy."""
-    out.mkdir(parents=True, exist_ok=True)
-    tied = model.all_tied_weights_keys  # {tied: the weight it is}
-    model.save_pretrained(out, state_dict={k: v for k, v in state_dict.items() if k not in tied},
-                          safe_serialization=True)
+def shard_plan(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Names grouped into shards in order, each shard at most max_shard_size bytes unless one tensor alone is
+    larger (as huggingface_hub splits a state dict)."""
+    shards, current, used = [], [], 0
+    for name, size in sizes:
+        if current and used + size > max_shard_size:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    return shards + [current] if current else shards
+
+
+def saved_tensors(model) -> dict[str, torch.Tensor]:
+    """What a checkpoint of `model` stores: its parameters (a tied weight once, under the name it is tied to) and
+    persistent buffers, by state-dict name. Under ZeRO-3 the parameters are the partitioned ones."""
+    keys = set(model.state_dict())
+    tied = set(model.all_tied_weights_keys)  # {tied name: the weight it is}
+    tensors = dict(model.named_parameters())
+    tensors.update((k, b) for k, b in model.named_buffers() if k in keys)
+    return {k: t for k, t in tensors.items() if k in keys and k not in tied}
+
+
+def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) -> None:
+    """Write `model` (a transformers model, or the DeepSpeed engine holding one) as a Hugging Face directory:
+    weights in safetensors shards of at most max_shard_size bytes (`model.safetensors`, or
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`), its config, the tokenizer and a
+    generation config. Every process calls this. A ZeRO-3 partitioned parameter is gathered alone, written into
+    rank 0's current shard and released: no process ever holds more than one shard and one parameter, never the
+    whole model."""
+    import deepspeed
+    from safetensors.torch import save_file
+
+    if hasattr(model, "empty_partition_cache"):  # an engine: release what ZeRO-3 prefetched for a next step
+        model.empty_partition_cache()
+    model = getattr(model, "module", model)
+    tensors = saved_tensors(model)
+    sizes = [(k, getattr(t, "ds_numel", t.numel()) * t.element_size()) for k, t in tensors.items()]
+    shards = shard_plan(sizes, max_shard_size)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    for shard, name in zip(shards, names):
+        part = {}
+        for key in shard:
+            t = tensors[key]
+            with deepspeed.zero.GatheredParameters([t], enabled=hasattr(t, "ds_id")):
+                if rank == 0:
+                    part[key] = t.detach().to("cpu", copy=True).contiguous()
+        if rank == 0:
+            save_file(part, str(out / name), metadata={"format": "pt"})
+    if rank != 0:
+        return
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
+                 "weight_map": {key: name for shard, name in zip(shards, names) for key in shard}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records them
+    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    model.config.save_pretrained(out)
     save_tokenizer_and_generation_config(tokenizer, out, context_length(model.config))
 
 
-def drop_tied_copies(model, out: Path) -> None:
-    """Rewrite the safetensors files of `out` without the tied weights' copies (the Trainer's ZeRO-3 gather)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    tied = set(model.all_tied_weights_keys)
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            keys, meta = list(st.keys()), st.metadata()
-            if tied & set(keys):
-                save_file({k: st.get_tensor(k) for k in keys if k not in tied}, str(f), metadata=meta)
-    index = out / "model.safetensors.index.json"
-    if index.is_file():
-        import json
-
-        data = json.loads(index.read_text())
-        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if k not in tied}
-        index.write_text(json.dumps(data, indent=2))
-
-
-def export_trainer(trainer, tokenizer, out: Path) -> None:
-    """Write a TRL trainer's model as a Hugging Face directory (the Trainer gathers ZeRO-3 partitions); every
+def export_trainer(trainer, tokenizer, out: Path, max_shard_size: int) -> None:
+    """Write a TRL trainer's model as `export_model` does (partitions gathered one parameter at a time); every
     process calls this."""
-    trainer.save_model(str(out))
-    if trainer.accelerator.is_main_process:
-        (out / "training_args.bin").unlink(missing_ok=True)  # a pickle; the manifest holds the config
-        model = getattr(trainer.model, "module", trainer.model)
-        drop_tied_copies(model, out)
-        save_tokenizer_and_generation_config(tokenizer, out, context_length(model.config))
+    export_model(trainer.model_wrapped, tokenizer, out, trainer.accelerator.process_index, max_shard_size)
+
+
+def hf_tensor(model_dir: Path, name: str) -> torch.Tensor:
+    """One tensor of a Hugging Face directory's safetensors weights (sharded or not), read alone."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    file = json.loads(index.read_text())["weight_map"][name] if index.is_file() else "model.safetensors"
+    with safe_open(str(model_dir / file), "pt") as f:
+        return f.get_tensor(name)

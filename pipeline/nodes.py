@@ -36,9 +36,10 @@ ACCELERATE_ONLY = {"dpo", "grpo", "rloo"}  # TRL trainers need accelerate to see
 SLURM_NODE = "__SLURM_NODEID__"  # replaced by $SLURM_NODEID in the srun command
 
 
-def single_process(step: str) -> bool:
-    """Tokenizing (its own Ray workers) and evaluation run as one process, without a launcher."""
-    return step == "tokenize" or step.startswith("eval-")
+def single_process(cfg: PipelineConfig, step: str) -> bool:
+    """Tokenizing (its own Ray workers) runs as one process, without a launcher; so does evaluation unless it
+    runs on every process (`eval.processes`)."""
+    return step == "tokenize" or step.startswith("eval-") and not cfg.eval.distributed(cfg.distributed)
 
 
 def launcher_of(cfg: PipelineConfig, stage: str) -> str:
@@ -48,7 +49,7 @@ def launcher_of(cfg: PipelineConfig, stage: str) -> str:
 def hosts_rendezvous(cfg: PipelineConfig, stage: str) -> bool:
     """Whether this process hosts the stage's rendezvous store (see the module's docstring)."""
     launcher = launcher_of(cfg, stage)
-    return not single_process(stage) and (launcher == "torchrun" or launcher == "deepspeed"
+    return not single_process(cfg, stage) and (launcher == "torchrun" or launcher == "deepspeed"
                                           and not cfg.distributed.hostfile)
 
 
@@ -56,7 +57,7 @@ def hosts_rendezvous(cfg: PipelineConfig, stage: str) -> bool:
 def rendezvous(cfg: PipelineConfig, stage: str) -> Iterator[int | None]:
     """The stage's rendezvous port for the block; this process hosts the store where it should (None: a single
     process needs none)."""
-    if single_process(stage):
+    if single_process(cfg, stage):
         yield None
         return
     d = cfg.distributed
@@ -88,7 +89,7 @@ def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
                   node: int | str = 0, port: int | None = None) -> list[str]:
     """What one node runs: the stage under its launcher, as node `node`, meeting at master_addr:`port`."""
     module, args = f"gptforge.stages.{module_of(stage)}", stage_args(config_path, out_dir, inputs)
-    if single_process(stage):
+    if single_process(cfg, stage):
         return [sys.executable, "-m", module, *args]
     d = cfg.distributed
     port = port or d.master_port
@@ -121,7 +122,7 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
     """The commands this process starts for a stage: one agent per node (local, ssh), one srun for all (slurm),
     one launcher that reaches the nodes itself (a single node, or deepspeed with a hostfile)."""
     d = cfg.distributed
-    if single_process(stage) or d.nnodes == 1 or launcher_of(cfg, stage) == "deepspeed":
+    if single_process(cfg, stage) or d.nnodes == 1 or launcher_of(cfg, stage) == "deepspeed":
         return [agent_command(cfg, stage, config_path, out_dir, inputs, d.node_rank, port)]
     if d.node_launcher == "local":
         return [agent_command(cfg, stage, config_path, out_dir, inputs, n, port) for n in range(d.nnodes)]

@@ -39,11 +39,32 @@ def run_stage(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir:
     if rank == 0:
         (out_dir / RESULT).unlink(missing_ok=True)  # a stale result never describes this run
     metrics = run(cfg, inputs, out_dir)
+    metrics.update(peak_memory(rank))
     check_names(metrics)
     result = {"metrics": metrics, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     if rank == 0:
         write_json_atomic(out_dir / RESULT, result)
     return result
+
+
+def peak_memory(rank: int) -> dict:
+    """This process's peak resident host memory (and accelerator memory allocated), printed for each rank; the
+    largest over the ranks as the stage's `peak_host_memory_gib` (`peak_device_memory_gib`)."""
+    import resource
+
+    import torch
+
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    device = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    print(f"[memory] rank {rank}: peak host {host:.3f} GiB" + (f", device {device:.3f} GiB" if device else ""),
+          file=sys.stderr, flush=True)
+    peaks = [host, device or 0.0]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = torch.tensor(peaks, dtype=torch.float64, device="cuda" if device is not None else "cpu")
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        peaks = t.tolist()
+    return {"peak_host_memory_gib": round(peaks[0], 3)} | (
+        {"peak_device_memory_gib": round(peaks[1], 3)} if device is not None else {})
 
 
 def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:

@@ -54,7 +54,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():
         trainer.train(resume_from_checkpoint=resume_point(out_dir, "dpo", rank, world))
-    export_trainer(trainer, tokenizer, out_dir / "model")
+    export_trainer(trainer, tokenizer, out_dir / "model", cfg.model.shard_bytes)
     barrier()
     return {"global_step": trainer.state.global_step, **metrics.final()}
 

@@ -58,7 +58,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
     with no_pickled_code():
         trainer.train(resume_from_checkpoint=resume_point(out_dir, "grpo", rank, world))
-    export_trainer(trainer, tokenizer, out_dir / "model")
+    export_trainer(trainer, tokenizer, out_dir / "model", cfg.model.shard_bytes)
     barrier()
     return {"global_step": trainer.state.global_step, **metrics.final()}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,12 +31,13 @@ from gptforge.data.chat import ChosenRows, left_pad, positions, prompt_ids
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import grad_norm, init_engine
-from gptforge.model.evaluate import policy_and_judge, reward_scores, stop_ids, verify
-from gptforge.model.export import export_hf, full_state_dict
+from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap
+from gptforge.model.evaluate import no_router_loss, policy_and_judge, reward_scores, stop_ids, verify
+from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
-                                   ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
+                                   ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model.plan import stage_verdict
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
@@ -51,7 +53,7 @@ def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
     out = actor.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=True,
                          temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
                          max_new_tokens=oc.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=list(stops), use_cache=True, synced_gpus=synced)
+                         eos_token_id=list(stops), use_cache=True, synced_gpus=synced, **no_router_loss(actor))
     P = ids.shape[1]
     response = out[:, P:]
     is_stop = torch.isin(response, torch.tensor(list(stops), device=device))
@@ -60,11 +62,13 @@ def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
     return out, torch.cat([attention.to(device), resp_mask], 1), resp_mask, P
 
 
-def policy_logprobs(model, seqs, attention, P: int):
-    """log pi of each response token and the policy entropy there, (B, R) each."""
-    logits = model(input_ids=seqs, attention_mask=attention, position_ids=positions(attention)).logits
-    logits = logits[:, P - 1:-1].float()  # (B, R, V): the logits that predicted each response token
-    return selective_log_softmax(logits, seqs[:, P:]), entropy_from_logits(logits)
+def policy_logprobs(model, seqs, attention, P: int, aux: bool = False):
+    """log pi of each response token and the policy entropy there, (B, R) each; with `aux`, also a mixture of
+    experts' weighed load-balancing loss (None for a dense model)."""
+    out = model(input_ids=seqs, attention_mask=attention, position_ids=positions(attention))
+    logits = out.logits[:, P - 1:-1].float()  # (B, R, V): the logits that predicted each response token
+    logp, entropy = selective_log_softmax(logits, seqs[:, P:]), entropy_from_logits(logits)
+    return (logp, entropy, router_loss(out, unwrap(model).config)) if aux else (logp, entropy)
 
 
 def critic_values(critic, seqs, attention, P: int):
@@ -75,16 +79,19 @@ def critic_values(critic, seqs, attention, P: int):
 
 def build_critic(reward_dir: Path, scale: float = 1.0):
     """The reward model as a token-level value model: same backbone, its scalar head applied to every token,
-    scaled by the reward model's weight in the reward, so that the first values are on the reward's scale."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    scaled by the reward model's weight in the reward, so that the first values are on the reward's scale.
+    Inside `partitioned` (ZeRO-3) the critic loads partitioned and only its head is gathered to be set."""
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(reward_dir, num_labels=1)
     config.classifier_dropout = 0.0  # transformers' token classifiers default to 0.1: the values would be noisy
     critic = AutoModelForTokenClassification.from_pretrained(reward_dir, config=config)
-    score = AutoModelForSequenceClassification.from_pretrained(reward_dir).score
     head = critic.classifier if critic.config.model_type == "gpt2" else critic.score  # transformers' naming
-    with torch.no_grad():
-        head.weight.copy_(score.weight * scale)
+    params = [p for p in (head.weight, head.bias) if p is not None]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=hasattr(head.weight, "ds_id")), \
+            torch.no_grad():
+        head.weight.copy_(hf_tensor(reward_dir, "score.weight") * scale)
         if head.bias is not None:
             head.bias.zero_()
     return critic
@@ -98,7 +105,7 @@ def all_finite(device, *tensors) -> bool:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     pc, oc, dist = cfg.preference, cfg.preference.ppo, cfg.distributed
     rank, world, device = setup_distributed()
@@ -113,19 +120,24 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                            cfg.run.seed) if oc.ptx_coef else None)  # an update: one minibatch
     stat_names = ["policy_loss", "value_loss", "clip_frac", "entropy"] + (["ptx_loss"] if ptx_rows is not None else [])
 
-    torch.manual_seed(cfg.run.seed)
-    actor = AutoModelForCausalLM.from_pretrained(sft_dir)
-    critic = build_critic(reward_dir, oc.reward_model_weight)
-    ref = AutoModelForCausalLM.from_pretrained(sft_dir).to(device).eval().requires_grad_(False)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir).to(device).eval()
     # The engines step once per minibatch: the schedule counts optimizer steps, not PPO steps.
     updates = oc.ppo_epochs * minibatches
     section = pc.model_copy(update={"global_batch_size": pc.micro_batch_size * world,
                                     "max_steps": pc.max_steps * updates, "warmup_steps": pc.warmup_steps * updates})
+    critic_section = section.model_copy(update={"lr": oc.critic_lr})
+    hidden = AutoConfig.from_pretrained(sft_dir).hidden_size
+    actor_config = deepspeed_config(dist, section, world, device, hidden)
+    critic_config = deepspeed_config(dist, critic_section, world, device, hidden)
+    torch.manual_seed(cfg.run.seed)
+    with partitioned(actor_config):  # ZeRO-3: all four models partitioned as they load
+        actor = AutoModelForCausalLM.from_pretrained(sft_dir)
+        critic = build_critic(reward_dir, oc.reward_model_weight)
+        ref = frozen(AutoModelForCausalLM.from_pretrained(sft_dir), actor_config, device)
+        reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(reward_dir), actor_config, device)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
-    actor_engine, actor_sched, _ = init_engine(actor, section, dist, world, device, elastic)
-    critic_engine, _, _ = init_engine(critic, section.model_copy(update={"lr": oc.critic_lr}), dist, world, device,
-                                      elastic)
+    verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))
+    actor_engine, actor_sched, _ = init_engine(actor, actor_config, section, dist, elastic, verdict)
+    critic_engine, _, _ = init_engine(critic, critic_config, critic_section, dist, elastic, verdict)
     engines = {"actor": actor_engine, "critic": critic_engine}
     order = DistributedOrder(len(prompts), per_rank, rank, world, seed=cfg.run.seed)
     kl_ctl = AdaptiveKLController(pc.beta, oc.kl_target, oc.kl_horizon)
@@ -161,7 +173,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         for epoch in range(oc.ppo_epochs if finite else 0):
             for k, mb in enumerate(torch.arange(per_rank).split(pc.micro_batch_size)):
                 m = mask[mb].float()
-                logp, entropy = policy_logprobs(actor_engine, seqs[mb], attention[mb], P)
+                logp, entropy, aux = policy_logprobs(actor_engine, seqs[mb], attention[mb], P, aux=True)
                 pg_loss, clip_frac = ppo_policy_loss(logp, old_logp[mb], advantages[mb], m, oc.cliprange)
                 values = critic_values(critic_engine, seqs[mb], attention[mb], P)
                 v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, oc.cliprange_value)
@@ -173,7 +185,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 if not all_finite(device, pg_loss, v_loss, ptx_loss):
                     finite = False
                     break
-                actor_engine.backward(pg_loss + oc.ptx_coef * ptx_loss)
+                actor_engine.backward(pg_loss + oc.ptx_coef * ptx_loss + (0 if aux is None else aux))
                 actor_engine.step()
                 critic_engine.backward(v_loss)
                 critic_engine.step()
@@ -212,9 +224,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     log.close()
 
     tokens_per_sec = throughput.rate()
-    state_dict = full_state_dict(actor_engine.module, dist.zero_stage, rank)
-    if rank == 0:
-        export_hf(actor_engine.module, state_dict, tokenizer, out_dir / "model")
+    export_model(actor_engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
     barrier()
     return {"global_step": step, "bad_steps": bad_steps, "kl_coef": kl_ctl.value, "tokens_per_sec": tokens_per_sec}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,13 +20,14 @@ from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import DataError
 from gptforge.data.loader import TokenWindows, eval_batches
 from gptforge.data.shards import TokenStream, read_index
-from gptforge.model.build import build_model, flops_per_token, peak_flops
+from gptforge.model.build import build_model, flops_per_token, parameter_counts, peak_flops
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
-from gptforge.model.engine import grad_norm, init_engine, startup_oom
-from gptforge.model.export import export_hf, full_state_dict
-from gptforge.model.losses import causal_lm_loss
+from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, startup_oom
+from gptforge.model.export import export_model
+from gptforge.model.losses import causal_lm_loss, router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model.plan import stage_verdict
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
@@ -73,15 +75,17 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     check_enough(train_tokens, val_tokens, pc, world)
     arch = cfg.model.arch()
     torch.manual_seed(cfg.run.seed)
-    model = build_model(arch, len(tokenizer), cfg.model.dropout, tokens={
+    ds_config = deepspeed_config(dist, pc, world, device, arch.n_embd)
+    model = build_model(arch, len(tokenizer), cfg.model.dropout, tokens={  # ZeRO-3: each rank holds its partition
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id})
+        "pad_token_id": tokenizer.pad_token_id}, zero3=ds_config if dist.zero_stage == 3 else None)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    n_params = model.num_parameters()
+    n_params, n_active = parameter_counts(model)
     ckpt_root = out_dir / "checkpoints"
     ckpt, elastic = find_checkpoint(ckpt_root, rank, world)
-    engine, scheduler, grad_accum = init_engine(model, pc, dist, world, device, elastic)
+    verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))  # quoted if memory runs out
+    engine, scheduler, grad_accum = init_engine(model, ds_config, pc, dist, elastic, verdict)
     if pc.compile:
         engine.compile()  # compiles in place: parameter names and checkpoints are unchanged
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
@@ -92,9 +96,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     tokens_per_step = pc.global_batch_size * pc.seq_len  # over all processes
-    flops_tok, peak = flops_per_token(n_params, arch, pc.seq_len), peak_flops(device)
+    flops_tok, peak = flops_per_token(n_active, arch, pc.seq_len), peak_flops(device)
     if rank == 0:
-        print(f"[pretrain] {n_params / 1e6:.2f}M parameters, world {world}, ZeRO-{dist.zero_stage}, "
+        active = f" ({n_active / 1e6:.2f}M active)" if n_active != n_params else ""
+        print(f"[pretrain] {cfg.model.name()}: {n_params / 1e6:.2f}M parameters{active}, world {world}, "
+              f"ZeRO-{dist.zero_stage}, "
               f"grad accum {grad_accum}, {tokens_per_step} tokens/step, {pc.max_steps} steps"
               f"{', torch.compile' if pc.compile else ''}", flush=True)
     bar = tqdm(total=pc.max_steps, initial=step, desc="pretrain", file=sys.stderr, disable=rank != 0,
@@ -108,14 +114,16 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     first_step = step
     while step < pc.max_steps:
         t0 = time.perf_counter()
-        step_loss = 0.0
+        step_loss = step_aux = 0.0
         for _ in range(grad_accum):
             x, y = loader.next()  # (B, T), (B, T)
-            with startup_oom(dist, pc, active=step == first_step):
-                loss = causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device))
-                engine.backward(loss)
+            with startup_oom(dist, pc, active=step == first_step, verdict=verdict):
+                out = engine(input_ids=x.to(device))
+                loss, aux = causal_lm_loss(out.logits, y.to(device)), router_loss(out, engine.module.config)
+                engine.backward(loss if aux is None else loss + aux)
                 engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
             step_loss += loss.item() / grad_accum
+            step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
         step += 1
         throughput.step(time.perf_counter() - t0, tokens_per_step)
         bar.update(1)
@@ -123,7 +131,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             train_loss = all_mean(step_loss, device)
             tps = throughput.window_rate()
             log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
-                    tokens_per_sec=tps, mfu=mfu_of(tps))
+                    tokens_per_sec=tps, mfu=mfu_of(tps),
+                    **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
             if rank == 0:
                 mfu = mfu_of(tps)
                 tqdm.write(f"step {step:6d} | loss {train_loss:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
@@ -139,15 +148,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     log.close()
 
     tokens_per_sec = throughput.rate()
-    state_dict = full_state_dict(engine.module, dist.zero_stage, rank)
-    if rank == 0:
-        export_hf(engine.module, state_dict, tokenizer, out_dir / "model")
+    export_model(engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
     barrier()
     return {"train_loss": round(train_loss, 6), "val_loss": round(val_loss, 6),
             "val_ppl": round(float(torch.tensor(val_loss).exp()), 4),
             "unigram_entropy": round(index["unigram_entropy"], 6), "tokens_per_sec": tokens_per_sec,
             "mfu": round(mfu_of(tokens_per_sec), 4) if mfu_of(tokens_per_sec) else None, "global_step": step,
-            "parameters": n_params, "flops_per_token": flops_tok}
+            "parameters": n_params, "active_parameters": n_active, "flops_per_token": flops_tok}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,11 +25,12 @@ from gptforge.data.chat import collate, encode_pairs
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import grad_norm, init_engine
+from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap
 from gptforge.model.evaluate import generate
-from gptforge.model.export import export_hf, full_state_dict
+from gptforge.model.export import export_model
 from gptforge.model.losses import pairwise_reward_loss
 from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model.plan import stage_verdict
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
@@ -43,22 +45,23 @@ def rewards(engine, pairs: list[tuple[list[int], list[int]]], pad_id: int, devic
 
 
 def policy_pairs(sft_dir: Path, tokenizer, pairs: list[dict], n: int, temperature: float, max_new_tokens: int,
-                 seed: int, rank: int, world: int, device) -> tuple[list[dict], int]:
+                 seed: int, rank: int, world: int, device, ds_config: dict) -> tuple[list[dict], int]:
     """Comparisons of the SFT model's own answers (as InstructGPT trains its reward model on the policy's
     samples; the demo's verifier is the labeller): one answer sampled for each of n distinct training
     prompts, and each wrong one paired, as rejected, with the prompt's known answer. The pairs the demo
     ships have hand-made wrong answers; these teach the reward model the policy's own mistakes, which
-    is what it judges in the preference stage. Each rank samples its share; every rank gets every pair.
-    Returns (pairs, answers sampled)."""
+    is what it judges in the preference stage. Each rank samples its share (the SFT model held as the engines
+    hold theirs: partitioned under ZeRO-3); every rank gets every pair. Returns (pairs, answers sampled)."""
     from transformers import AutoModelForCausalLM
 
     known = loaders.answered_prompts(pairs)
     n = min(n, len(known))
     mine = random.Random(seed).sample(range(len(known)), n)[rank::world]
-    policy = AutoModelForCausalLM.from_pretrained(sft_dir).to(device)
+    with partitioned(ds_config):
+        policy = frozen(AutoModelForCausalLM.from_pretrained(sft_dir), ds_config, device)
     torch.manual_seed(seed + rank)  # the same samples on a rerun: resuming sees the same pairs
-    answers = generate(policy, tokenizer, [known[i][0] for i in mine], max_new_tokens, do_sample=True,
-                       temperature=temperature, top_k=0, top_p=1.0)
+    answers = generate(unwrap(policy), tokenizer, [known[i][0] for i in mine], max_new_tokens, do_sample=True,
+                       temperature=temperature, top_k=0, top_p=1.0, synced=ds_config["zero_optimization"]["stage"] == 3)
     del policy
     wrong = [(i, a) for i, a in zip(mine, answers) if a != known[i][1]]
     parts = [None] * world
@@ -82,7 +85,7 @@ def evaluate(engine, pairs, micro_batch: int, pad_id: int, rank: int, world: int
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     rc, dist = cfg.reward, cfg.distributed
     rank, world, device = setup_distributed()
@@ -92,9 +95,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     train = encode_pairs(tokenizer, data.train, rc.max_length, rc.on_too_long)
     val = encode_pairs(tokenizer, data.val, rc.max_length, rc.on_too_long)
     sampled, added = 0, []
+    ds_config = deepspeed_config(dist, rc, world, device, AutoConfig.from_pretrained(sft_dir).hidden_size)
     if rc.policy_samples:
         extra, sampled = policy_pairs(sft_dir, tokenizer, data.train, rc.policy_samples, rc.sample_temperature,
-                                      rc.sample_max_new_tokens, cfg.run.seed, rank, world, device)
+                                      rc.sample_max_new_tokens, cfg.run.seed, rank, world, device, ds_config)
         added = encode_pairs(tokenizer, extra, rc.max_length, "skip").examples
         train.examples += added
         if rank == 0:
@@ -108,12 +112,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
               f"truncated {train.truncated}", flush=True)
 
     torch.manual_seed(cfg.run.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1)
+    with partitioned(ds_config):
+        model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
-    engine, scheduler, grad_accum = init_engine(model, rc, dist, world, device, elastic)
+    engine, scheduler, grad_accum = init_engine(model, ds_config, rc, dist, elastic,
+                                                partial(stage_verdict, cfg, rc, world, device, len(tokenizer)))
     order = DistributedOrder(len(train.examples), rc.micro_batch_size, rank, world, seed=cfg.run.seed)
     state = resume({"model": engine}, ckpt, elastic, rank, world, "reward")
     step = state["step"] if state else 0
@@ -153,9 +159,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     log.close()
 
     tokens_per_sec = throughput.rate()
-    state_dict = full_state_dict(engine.module, dist.zero_stage, rank)
-    if rank == 0:
-        export_hf(engine.module, state_dict, tokenizer, out_dir / "model")
+    export_model(engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
     barrier()
     return {"reward_accuracy": round(accuracy, 6), "reward_margin": round(margin, 6),
             "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,10 +26,11 @@ from gptforge.data.chat import collate, encode_conversations, pack
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import grad_norm, init_engine
-from gptforge.model.export import export_hf, full_state_dict
-from gptforge.model.losses import causal_lm_loss
+from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned
+from gptforge.model.export import export_model
+from gptforge.model.losses import causal_lm_loss, router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model.plan import stage_verdict
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model"}
@@ -52,7 +54,7 @@ def val_loss(engine, examples, micro_batch: int, pad_id: int, rank: int, world: 
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     sc, dist = cfg.sft, cfg.distributed
     rank, world, device = setup_distributed()
@@ -70,11 +72,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
               f"skipped {dict(train.skipped)}, truncated {train.truncated}", flush=True)
 
     torch.manual_seed(cfg.run.seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    ds_config = deepspeed_config(dist, sc, world, device, AutoConfig.from_pretrained(base_dir).hidden_size)
+    with partitioned(ds_config):  # ZeRO-3: each rank holds its partition from the start
+        model = AutoModelForCausalLM.from_pretrained(base_dir)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
-    engine, scheduler, grad_accum = init_engine(model, sc, dist, world, device, elastic)
+    engine, scheduler, grad_accum = init_engine(model, ds_config, sc, dist, elastic,
+                                                partial(stage_verdict, cfg, sc, world, device, len(tokenizer)))
     order = DistributedOrder(len(examples), sc.micro_batch_size, rank, world, seed=cfg.run.seed)
     state = resume({"model": engine}, ckpt, elastic, rank, world, "sft")
     step = state["step"] if state else 0
@@ -88,13 +93,15 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     train_loss = loss_val = float("nan")
     throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
     while step < sc.max_steps:
-        t0, step_loss, step_tokens = time.perf_counter(), 0.0, 0
+        t0, step_loss, step_aux, step_tokens = time.perf_counter(), 0.0, 0.0, 0
         for _ in range(grad_accum):
             x, a, y = collate([examples[i] for i in order.next_ids()], tokenizer.pad_token_id)  # (B, T) each
-            loss = causal_lm_loss(engine(input_ids=x.to(device), attention_mask=a.to(device)).logits, y.to(device))
-            engine.backward(loss)
+            out = engine(input_ids=x.to(device), attention_mask=a.to(device))
+            loss, aux = causal_lm_loss(out.logits, y.to(device)), router_loss(out, engine.module.config)
+            engine.backward(loss if aux is None else loss + aux)
             engine.step()
             step_loss += loss.item() / grad_accum
+            step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
             step_tokens += int(a.sum())
         step += 1
         throughput.step(time.perf_counter() - t0, step_tokens)
@@ -102,7 +109,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         if step % sc.log_every == 0 or step == sc.max_steps:
             train_loss = all_mean(step_loss, device)
             log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
-                    tokens_per_sec=throughput.window_rate())
+                    tokens_per_sec=throughput.window_rate(),
+                    **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
         if step % sc.eval_every == 0 or step == sc.max_steps:
             loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, rank, world, device)
             log.log(step, val_loss=loss_val)
@@ -113,9 +121,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     log.close()
 
     tokens_per_sec = throughput.rate()
-    state_dict = full_state_dict(engine.module, dist.zero_stage, rank)
-    if rank == 0:
-        export_hf(engine.module, state_dict, tokenizer, out_dir / "model")
+    export_model(engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
     barrier()
     return {"val_loss": round(loss_val, 6), "base_val_loss": round(base_val_loss, 6),
             "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,

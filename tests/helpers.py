@@ -23,7 +23,7 @@ FAST = [
     "model.n_layer=2", "pretrain.max_steps=30", "pretrain.save_every=5", "pretrain.eval_every=15",
     "pretrain.log_every=1", "pretrain.micro_batch_size=8", "pretrain.global_batch_size=16",
     "pretrain.warmup_steps=5", "pretrain.seq_len=64", "pretrain.eval_batches=2", "pretrain.keep_last=3",
-    "eval.items=24", "reward.policy_samples=48",
+    "eval.items=24", "eval.batch_size=8", "reward.policy_samples=48",
 ]
 for _s in ("sft", "reward", "preference"):
     FAST += [f"{_s}.max_steps=20", f"{_s}.save_every=5", f"{_s}.eval_every=10", f"{_s}.log_every=1",
