@@ -48,6 +48,18 @@ def ephemeral_server():
     return server
 
 
+def drain_prefect(timeout: float = 10.0) -> None:
+    """Send what Prefect's background workers still hold (flow-run logs, events) now."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=timeout)
+        except Exception:  # noqa: BLE001 - a log that cannot be sent must not hide the run's own outcome
+            pass
+
+
 def cmd_run(args) -> int:
     overrides = args.set + ([f"run.name={args.name}"] if args.name else [])
     cfg = load_config(args.config, overrides)  # config errors end here, before anything starts
@@ -62,6 +74,7 @@ def cmd_run(args) -> int:
     try:
         metrics = pipeline_flow(config=cfg, from_stage=args.from_stage, only=args.only)
     finally:
+        drain_prefect()  # logs and events reach the server before it stops, not at exit against a stopped one
         logging.disable(logging.CRITICAL)  # the run is over: Prefect's goodbyes would come after our last line
         if server is not None:
             server.stop()
@@ -132,7 +145,7 @@ def cmd_stage(args) -> int:
     if args.stage not in UPSTREAM:
         raise UserError(f"unknown stage {args.stage!r}; stages: {', '.join(UPSTREAM)}")
     world, want = int(os.environ.get("WORLD_SIZE", "1")), cfg.distributed.world_size
-    if not single_process(args.stage) and world != want:
+    if not single_process(cfg, args.stage) and world != want:
         raise ConfigError(f"distributed asks for {want} processes (nproc_per_node={cfg.distributed.nproc_per_node} x "
                           f"nnodes={cfg.distributed.nnodes}) but this `gptforge stage` runs as {world}: start it on "
                           "each node under a launcher with as many (torchrun --nproc_per_node ... --nnodes ...), or "
@@ -208,9 +221,9 @@ def cmd_plan(args) -> int:
     arch = cfg.model.arch()
     seq_len = cfg.pretrain.seq_len if args.seq_len is None else args.seq_len
     plan = make_plan(arch, args.vocab_size or arch.vocab_size, seq_len, cfg.pretrain.micro_batch_size, args.gpus,
-                     args.tokens, args.peak_tflops, args.mfu)
-    print(render(plan, cfg.model.preset, args.gpus, args.gpu_mem, seq_len, cfg.pretrain.micro_batch_size,
-                 args.tokens is not None, args.peak_tflops, args.mfu))
+                     args.tokens, args.peak_tflops, args.mfu, args.gpus_per_node)
+    print(render(plan, cfg.model.name(), args.gpus, args.gpu_mem, seq_len, cfg.pretrain.micro_batch_size,
+                 args.tokens is not None, args.peak_tflops, args.mfu, cfg.distributed.activation_checkpointing))
     return 0
 
 
@@ -279,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU per ZeRO stage, token budget, time")
     config_args(pl)
     pl.add_argument("--gpus", type=int, default=8)
+    pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs a node (host memory is per node)")
     pl.add_argument("--gpu-mem", type=float, default=None, help="GPU memory in GiB, to say what fits")
     pl.add_argument("--tokens", type=float, default=None, help="training tokens (default: 20 per parameter)")
     pl.add_argument("--seq-len", type=int, default=None, help="default: pretrain.seq_len")
@@ -305,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if args.func is cmd_run:  # Prefect's exit handlers would print after this line; cmd_run drained them
+            sys.stdout.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
-from gptforge.pipeline.nodes import node_commands, node_env, rendezvous
+from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
 from gptforge.pipeline.store import (RunRecord, check_inputs, complete, locate, now, read_manifest, read_result,
                                      stage_entry)
 
@@ -77,7 +77,11 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
             with rendezvous(cfg, stage) as port:
                 cmds = node_commands(cfg, stage, config_path, out_dir, {up: d for up, (d, _) in inputs.items()},
                                      port, env)
-                rc = run_streaming(cmds, log_line, env=env, on_progress=on_progress)
+                # The accelerate launcher starts its own store on node 0: the other nodes start once it listens,
+                # or one of theirs, started first on this host, takes the port that node 0 then finds taken.
+                first = ((cfg.distributed.master_addr, port) if len(cmds) > 1 and port
+                         and not hosts_rendezvous(cfg, stage) else None)
+                rc = run_streaming(cmds, log_line, env=env, on_progress=on_progress, first_listens_at=first)
         except BaseException as e:  # cancelled (SIGTERM), interrupted, or we failed
             record.update(stage, status="cancelled" if isinstance(e, (Terminated, KeyboardInterrupt))
                           or type(e).__name__ == "TerminationSignal" else "crashed", finished_at=now())
@@ -96,14 +100,36 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
 _PROGRESS = re.compile(rb"(\d+)%\|")
 
 
+def wait_listening(address: tuple[str, int], proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Wait until something accepts connections at `address`, `proc` exits, or `timeout` passes."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(address, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+
+
 def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict | None = None,
-                  on_progress: Callable[[float], None] | None = None, progress_every: float = 10.0) -> int:
+                  on_progress: Callable[[float], None] | None = None, progress_every: float = 10.0,
+                  first_listens_at: tuple[str, int] | None = None) -> int:
     """Run each command in its own process group, passing every output line to `log` (prefixed by its node when
     there are several); progress-bar redraws are logged (and passed to `on_progress` as a percentage) at most
     every `progress_every` seconds. Returns 0 once all exit cleanly, or the first failure's exit code, the
-    others killed. If we are interrupted or sent SIGTERM (a cancelled flow run), every group is killed."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              env={**os.environ, **(env or {})}, start_new_session=True) for cmd in cmds]
+    others killed. If we are interrupted or sent SIGTERM (a cancelled flow run), every group is killed.
+    `first_listens_at`: the others start once the first command listens at this address (or has exited)."""
+
+    def start(cmd):
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+
+    procs = [start(cmds[0])]
+    if first_listens_at and len(cmds) > 1:
+        wait_listening(first_listens_at, procs[0])
+    procs += [start(cmd) for cmd in cmds[1:]]
     guards = [watchdog(p.pid, group=True) for p in procs]
     previous = None
     # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it. Inside a
