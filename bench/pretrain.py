@@ -100,7 +100,7 @@ def main() -> None:
         runs[compiled] = stage(cfg, cfg_path)
     base = baseline(cfg)
     d, m = cfg.distributed, next(iter(runs.values()))
-    print(f"model {cfg.model.preset}: {m['parameters'] / 1e6:.2f}M params, global batch "
+    print(f"model {cfg.model.name()}: {m['parameters'] / 1e6:.2f}M params, global batch "
           f"{cfg.pretrain.global_batch_size} x {cfg.pretrain.seq_len} tokens, {args.steps} steps "
           f"({WARMUP_STEPS} warm-up steps not timed)")
     print(f"baseline (1 process, plain PyTorch, eager): {base:12,.0f} tokens/s")
@@ -111,7 +111,7 @@ def main() -> None:
               f"ratio {m['tokens_per_sec'] / base:.2f}x (target >= 1.0x on 2 CPU cores)")
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if peak_flops(dev):
-        n = m["parameters"]
+        n = m.get("active_parameters", m["parameters"])  # a mixture of experts computes with its active ones
         mfu = flops_per_token(n, cfg.model.arch(), cfg.pretrain.seq_len) * base / peak_flops(dev)
         print(f"baseline mfu: {mfu:.1%}")
 

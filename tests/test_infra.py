@@ -82,3 +82,19 @@ def test_the_image_is_built_from_a_clean_context():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ARG BASE=" in dockerfile and "FROM ${BASE}" in dockerfile  # CPU by default, a CUDA base by build-arg
     assert "torch==2.13.0" in dockerfile and "make setup" in dockerfile
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_shrunk_on_the_cpu(tmp_path):
+    """bench/gpu.sh --cpu-smoke: the GPU readiness script's two steps, shrunk, end to end."""
+    import os
+
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "GPU_BENCH_ROOT": str(tmp_path)}, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"gptforge \(deepspeed, 2 processes, ZeRO-2, eager\): +[\d,]+ tokens/s", out), out[-2000:]
+    assert re.search(r"baseline \(1 process, plain PyTorch, eager\): +[\d,]+ tokens/s", out)
+    table = out[out.index("== (b)"):]
+    for stage in ("tokenize", "pretrain", "sft", "eval-sft", "reward", "dpo", "eval-dpo"):
+        assert re.search(rf"^\| {stage} \| .*=", table, re.M), stage  # each stage's metrics
