@@ -27,7 +27,7 @@ test: lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) bench/tokenize.py
+	$(PY) bench/tokenize_bench.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -137,6 +137,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))
     actor_engine, actor_sched, _ = init_engine(actor, actor_config, section, dist, elastic, verdict)
+    moe = getattr(actor.config, "router_aux_loss_coef", None)  # a mixture of experts: its aux loss is logged
+    stat_names += ["aux_loss"] if moe else []
     critic_engine, _, _ = init_engine(critic, critic_config, critic_section, dist, elastic, verdict)
     engines = {"actor": actor_engine, "critic": critic_engine}
     order = DistributedOrder(len(prompts), per_rank, rank, world, seed=cfg.run.seed)
@@ -189,7 +191,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 actor_engine.step()
                 critic_engine.backward(v_loss)
                 critic_engine.step()
-                for name, v in zip(stat_names, (pg_loss, v_loss, clip_frac, masked_mean(entropy, m), ptx_loss)):
+                values_of = [pg_loss, v_loss, clip_frac, masked_mean(entropy, m)] + (
+                    [ptx_loss] if ptx_rows is not None else []) + ([aux / moe] if moe else [])
+                for name, v in zip(stat_names, values_of):
                     stats[name] += v.item() / updates
             if not finite:
                 break

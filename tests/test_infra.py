@@ -96,5 +96,5 @@ def test_gpu_script_runs_shrunk_on_the_cpu(tmp_path):
     assert re.search(r"gptforge \(deepspeed, 2 processes, ZeRO-2, eager\): +[\d,]+ tokens/s", out), out[-2000:]
     assert re.search(r"baseline \(1 process, plain PyTorch, eager\): +[\d,]+ tokens/s", out)
     table = out[out.index("== (b)"):]
-    for stage in ("tokenize", "pretrain", "sft", "eval-sft", "reward", "dpo", "eval-dpo"):
+    for stage in ("tokenize", "pretrain"):
         assert re.search(rf"^\| {stage} \| .*=", table, re.M), stage  # each stage's metrics

@@ -56,9 +56,9 @@ def test_zero2_trains_and_exports(zero2, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_zero_stages_give_the_same_loss_curve(zero2, tmp_path, stage):
-    manifest, out_dir, _ = pretrain(tmp_path, f"distributed.zero_stage={stage}")
+def test_zero3_gives_the_loss_curve_of_zero2(zero2, tmp_path):
+    """Built partitioned, trained partitioned: the curve of ZeRO-2 (ZeRO-0 against ZeRO-3: test_zero3.py)."""
+    manifest, out_dir, _ = pretrain(tmp_path, "distributed.zero_stage=3")
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=2e-4)
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=2e-4)
 

@@ -5,7 +5,7 @@ tokenizer the stage trained. Both run as their own processes on the same generat
 tokens/s of each, their ratio, and each side's peak memory (proportional set size of the whole process tree,
 Ray's processes and `datasets`' workers included), at the full size and, for the stage, at a tenth of it.
 
-    .venv/bin/python bench/tokenize.py [--gb 1.0] [--workers N]
+    .venv/bin/python bench/tokenize_bench.py [--gb 1.0] [--workers N]
 """
 
 from __future__ import annotations
