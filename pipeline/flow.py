@@ -9,15 +9,15 @@ otherwise the stage runs, resuming from its own step checkpoints if it has any.
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run, task_run
 
 from gptforge.core.config import PipelineConfig, dump_config, load_config
 from gptforge.core.errors import UserError
 from gptforge.pipeline.launch import run_stage
-from gptforge.pipeline.report import write_report
+from gptforge.pipeline.report import artifact_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -40,7 +40,9 @@ def stage_task(stage: str, config_path: str, recompute: bool = False) -> dict:
     out_dir = locate(cfg, stage)[0]
     create_table_artifact(key=f"{stage}-metrics",
                           table=[{"metric": k, "value": v} for k, v in manifest["metrics"].items()],
-                          description=f"{stage} final metrics; output: file://{out_dir.resolve()}")
+                          description=f"{stage} final metrics; output: {out_dir.resolve().as_uri()}")
+    create_link_artifact(key=f"{stage}-output", link=out_dir.resolve().as_uri(), link_text=str(out_dir.resolve()),
+                         description=f"{stage}: its output (a Hugging Face checkpoint in model/ if it trains one)")
     return manifest
 
 
@@ -72,8 +74,9 @@ def pipeline_flow(config: PipelineConfig = load_config(DEFAULT_CONFIG), from_sta
     metrics = {}
     for stage in stages:
         metrics[stage] = run_task(stage, str(resolved), recompute=from_stage is not None)["metrics"]
-    _, markdown = write_report(record.dir)
-    create_markdown_artifact(key="run-report", markdown=markdown, description=f"report of run {config.run.name}")
+    write_report(record.dir)
+    create_markdown_artifact(key="run-report", markdown=artifact_markdown(record.dir),
+                             description=f"report of run {config.run.name}")
     return metrics
 
 

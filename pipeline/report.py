@@ -1,19 +1,36 @@
-"""The run report: `runs/<run>/report.json`, `report.md` and `plots/*.png` (loss, reward and KL curves),
-built from run.json and each stage's logs/metrics.jsonl."""
+"""The run report: `runs/<run>/report.json`, `report.md` and `plots/*.png`, built from run.json and each stage's
+logs/metrics.jsonl.
+
+Plots: `plots/<stage>.png` for each stage that logged, one panel per quantity (the training and held-out loss
+share a panel, being one quantity; an accuracy never shares an axis with a margin), each axis labelled with its
+unit; and `plots/kl.png`, a panel per stage that logs its KL to the reference. The markdown holds a small table
+per stage (action, time, its few headline metrics, a link to its output) and the plots: `report.md` names them
+by relative path (next to it on disk); the Prefect run report (`artifact_markdown`) carries them inline as data
+URIs, since the Prefect UI cannot reach the run's files.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
 from gptforge.core.files import write_json_atomic
 
-# Which logged keys go on which plot.
-CURVES = {
-    "loss": ("loss", "val_loss"),
-    "reward": ("reward_mean", "reward_accuracy", "train_reward_margin"),
-    "kl": ("kl",),
-}
+# (panel title, logged keys drawn on it, y-axis label with its unit); a stage's figure has the panels it logged.
+PANELS = [
+    ("loss", ("loss", "val_loss"), "loss (nats/token)"),
+    ("preference accuracy", ("reward_accuracy", "train_reward_accuracy"), "chosen ranked first (fraction)"),
+    ("preference margin", ("reward_margin", "train_reward_margin"), "chosen - rejected (reward)"),
+    ("reward", ("reward_mean",), "mean reward (score)"),
+    ("verifier", ("verifier_reward",), "verified right (fraction)"),
+    ("KL to the reference", ("kl",), "KL (nats/response)"),
+    ("aux loss", ("aux_loss",), "load-balancing loss"),
+    ("throughput", ("tokens_per_sec",), "tokens/s"),
+]
+# The metrics a stage's table shows, in this order, those it has (at most five).
+HEADLINE = ["val_loss", "exact_match", "base_exact_match", "sft_exact_match", "win_rate_vs_sft", "reward_accuracy",
+            "reward_margin", "reward_mean", "kl", "val_ppl", "tokens_per_sec", "mfu", "peak_host_memory_gib"]
 
 
 def read_log(stage_dir: Path) -> list[dict]:
@@ -23,69 +40,119 @@ def read_log(stage_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def curves(stages: dict) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """{plot: {"stage/key": [(step, value), ...]}}"""
-    out: dict[str, dict] = {name: {} for name in CURVES}
-    for stage, info in stages.items():
-        rows = read_log(Path(info["output"])) if info.get("output") else []
-        for plot, keys in CURVES.items():
-            for key in keys:
-                points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-                if points:
-                    out[plot][f"{stage}/{key}"] = points
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def stage_panels(rows: list[dict]) -> list[tuple[str, dict[str, list], str]]:
+    """The panels a stage's log fills: [(title, {key: points}, y label)]."""
+    out = []
+    for title, keys, unit in PANELS:
+        lines = {k: points for k in keys if (points := series(rows, k))}
+        if lines:
+            out.append((title, lines, unit))
     return out
 
 
-def plot(series: dict[str, list[tuple[int, float]]], title: str, path: Path) -> None:
+def draw(panels: list[tuple[str, dict[str, list], str]], title: str, path: Path) -> None:
+    """One figure, a panel (its own axes) per entry, side by side in rows of three."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, points in series.items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=label)
-    ax.set_xlabel("step")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (name, lines, unit) in zip(axes.flat, panels):
+        for key, points in lines.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=key, marker="." if len(points) < 20 else None)
+        ax.set_title(name, fontsize="medium")
+        ax.set_xlabel("step")
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        if len(lines) > 1:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def markdown_table(stages: dict) -> str:
-    keys = sorted({k for info in stages.values() for k in (info.get("metrics") or {}) if not k.endswith("sha256")})
-    rows = ["| stage | action | seconds | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 3)]
+def make_plots(stages: dict, plots_dir: Path) -> list[str]:
+    """Draw each stage's figure and kl.png; return the plot names (file stems), in stage order."""
+    plots_dir.mkdir(exist_ok=True)
+    names, kl = [], []
     for stage, info in stages.items():
-        m = info.get("metrics") or {}
-        cells = [_fmt(m.get(k, "")) for k in keys]
-        rows.append(f"| {stage} | {info.get('action', '')} | {info.get('seconds', '')} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        rows = read_log(Path(info["output"])) if info.get("output") else []
+        panels = stage_panels(rows)
+        if panels:
+            draw(panels, stage, plots_dir / f"{stage}.png")
+            names.append(stage)
+        if points := series(rows, "kl"):
+            kl.append((stage, {"kl": points}, "KL (nats/response)"))
+    if kl:
+        draw(kl, "KL to the reference, by stage", plots_dir / "kl.png")
+        names.append("kl")
+    return names
 
 
 def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
+def stage_table(stage: str, info: dict) -> str:
+    """A stage's table: one row of its action, time and headline metrics; the stage's name links to its output."""
+    m = info.get("metrics") or {}
+    keys = [k for k in HEADLINE if m.get(k) is not None][:5]
+    output = info.get("output")
+    name = f"[{stage}]({Path(output).resolve().as_uri()})" if output else stage
+    seconds = info.get("seconds")
+    head = ["stage", "action", "time"] + keys
+    cells = [name, info.get("action", ""), duration(seconds) if isinstance(seconds, (int, float)) else ""]
+    cells += [_fmt(m[k]) for k in keys]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), "| " + " | ".join(cells) + " |"])
+
+
+def markdown(record: dict, plots: list[str], image) -> str:
+    """The report's markdown; `image(name)` gives the address of a plot."""
+    md = [f"# gptforge run `{record['name']}`", ""]
+    for stage, info in record["stages"].items():
+        md += [stage_table(stage, info), ""]
+    md += [f"![{n}]({image(n)})\n" for n in plots]
+    return "\n".join(md)
 
 
 def write_report(run_dir: Path) -> tuple[dict, str]:
-    """Write report.json, report.md and plots/ for a run directory; return the report and its markdown."""
+    """Write report.json, report.md and plots/ for a run directory; return the report and report.md's text."""
     record = json.loads((run_dir / "run.json").read_text())
     stages = record["stages"]
-    plots_dir = run_dir / "plots"
-    plots_dir.mkdir(exist_ok=True)
-    images = []
-    for name, series in curves(stages).items():
-        if series:
-            plot(series, name, plots_dir / f"{name}.png")
-            images.append(name)
-    report = {"run": record["name"], "stages": {s: {k: info.get(k) for k in ("action", "status", "output", "seconds",
-                                                                                "metrics")}
-                                                for s, info in stages.items()},
-              "plots": [f"plots/{n}.png" for n in images]}
+    plots = make_plots(stages, run_dir / "plots")
+    report = {"run": record["name"],
+              "stages": {s: {k: info.get(k) for k in ("action", "status", "output", "seconds", "metrics")}
+                         for s, info in stages.items()},
+              "plots": [f"plots/{n}.png" for n in plots]}
     write_json_atomic(run_dir / "report.json", report)
-    md = [f"# gptforge run `{record['name']}`", "", markdown_table(stages), ""]
-    md += [f"![{n}](plots/{n}.png)" for n in images]
-    text = "\n".join(md) + "\n"
+    text = markdown(record, plots, lambda n: f"plots/{n}.png")
     (run_dir / "report.md").write_text(text)
     return report, text
+
+
+def artifact_markdown(run_dir: Path) -> str:
+    """The report as the Prefect UI shows it: the plots inline (PNG data URIs), so that they load in a browser
+    that cannot reach this machine's files. Call after write_report."""
+    record = json.loads((run_dir / "run.json").read_text())
+    report = json.loads((run_dir / "report.json").read_text())
+
+    def inline(name: str) -> str:
+        return "data:image/png;base64," + base64.b64encode((run_dir / "plots" / f"{name}.png").read_bytes()).decode()
+
+    return markdown(record, [Path(p).stem for p in report["plots"]], inline)

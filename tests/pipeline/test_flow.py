@@ -1,6 +1,8 @@
+import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from gptforge.core.config import dump_config
 from gptforge.pipeline.flow import pipeline_flow
@@ -12,6 +14,13 @@ def write_cfg(cfg, tmp_path):
     path = tmp_path / "pipeline.yaml"
     path.write_text(dump_config(cfg))
     return str(path)
+
+
+async def artifacts():
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return await client.read_artifacts()
 
 
 def test_flow_runs_then_reuses_and_reports(prefect_server, small_cfg, tmp_path):
@@ -27,7 +36,11 @@ def test_flow_runs_then_reuses_and_reports(prefect_server, small_cfg, tmp_path):
     assert first == second and first["tokenize"]["tokens"] > 0
     report = json.loads((run_dir / "report.json").read_text())
     assert report["stages"]["tokenize"]["metrics"]["tokens"] == first["tokenize"]["tokens"]
-    assert "| tokenize | reused |" in (run_dir / "report.md").read_text()
+    out_dir = record["stages"]["tokenize"]["output"]
+    assert f"| [tokenize]({Path(out_dir).as_uri()}) | reused |" in (run_dir / "report.md").read_text()
+    shown = {a.key: a for a in asyncio.run(artifacts()) if a.key in ("run-report", "tokenize-output")}
+    assert "| [tokenize](file://" in shown["run-report"].data  # the report as the Prefect UI shows it
+    assert Path(out_dir).as_uri() in shown["tokenize-output"].data  # a link artifact to the stage's output
     pipeline_flow(config=cfg, from_stage="tokenize")  # --from recomputes
     record = json.loads((run_dir / "run.json").read_text())
     assert record["stages"]["tokenize"]["action"] == "computed"

@@ -1,22 +1,63 @@
 import json
+import re
 
-from gptforge.pipeline.report import write_report
+from gptforge.pipeline.report import artifact_markdown, stage_panels, write_report
+
+LOGS = {
+    "pretrain": [{"step": 1, "loss": 3.0, "tokens_per_sec": 900.0}, {"step": 2, "loss": 2.5, "val_loss": 2.6}],
+    "reward": [{"step": 1, "reward_accuracy": 0.6, "reward_margin": 0.4}, {"step": 2, "reward_accuracy": 0.8}],
+    "ppo": [{"step": 1, "kl": 0.1, "reward_mean": 0.2}, {"step": 2, "kl": 0.3, "reward_mean": 0.4}],
+    "dpo": [{"step": 1, "loss": 0.69, "kl": 0.0}, {"step": 2, "loss": 0.6, "kl": 0.2}],
+}
 
 
-def test_report_of_a_run(tmp_path):
+def run_dir_with_logs(tmp_path):
     stages = {}
-    for stage, rows in {"pretrain": [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5, "val_loss": 2.6}],
-                        "ppo": [{"step": 1, "kl": 0.1, "reward_mean": 0.2}, {"step": 2, "kl": 0.3}]}.items():
+    for stage, rows in LOGS.items():
         out = tmp_path / "store" / stage
         (out / "logs").mkdir(parents=True)
         (out / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        metrics = {"val_loss": 2.6, "val_ppl": 13.5, "tokens_per_sec": 12345.6, "mfu": None, "parameters": 10,
+                   "global_step": 2, "unigram_entropy": 5.0, "flops_per_token": 60.0, "peak_host_memory_gib": 0.5}
         stages[stage] = {"output": str(out), "action": "computed", "status": "complete", "seconds": 1.5,
-                         "metrics": {"val_loss": 2.6} if stage == "pretrain" else {"kl": 0.3}}
+                         "metrics": metrics if stage == "pretrain" else {"kl": 0.3}}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "run.json").write_text(json.dumps({"name": "r", "stages": stages}))
+    return run_dir
+
+
+def test_report_of_a_run(tmp_path):
+    run_dir = run_dir_with_logs(tmp_path)
     report, markdown = write_report(run_dir)
     assert report["stages"]["ppo"]["metrics"] == {"kl": 0.3}
-    assert sorted(report["plots"]) == ["plots/kl.png", "plots/loss.png", "plots/reward.png"]
+    # a figure a stage, and KL whenever a stage logs it (DPO's and PPO's, each on its own panel)
+    assert report["plots"] == ["plots/pretrain.png", "plots/reward.png", "plots/ppo.png", "plots/dpo.png",
+                               "plots/kl.png"]
     assert all((run_dir / p).stat().st_size > 1000 for p in report["plots"])
-    assert "| pretrain | computed | 1.5 |" in markdown and (run_dir / "report.md").read_text() == markdown
+    # each stage a small table: stage (a link to its output), action, time and at most five headline metrics
+    out = (tmp_path / "store" / "pretrain").as_uri()
+    assert "| stage | action | time | val_loss | val_ppl | tokens_per_sec | peak_host_memory_gib |" in markdown
+    assert f"| [pretrain]({out}) | computed | 1.5 s | 2.6 | 13.5 | 12,346 | 0.5 |" in markdown
+    assert max(line.count("|") for line in markdown.splitlines()) <= 9
+    assert (run_dir / "report.md").read_text() == markdown and "](plots/kl.png)" in markdown
+
+
+def test_each_panel_holds_one_quantity_with_its_unit():
+    panels = {title: (sorted(lines), unit) for title, lines, unit in stage_panels(LOGS["reward"] + LOGS["pretrain"])}
+    assert panels == {"loss": (["loss", "val_loss"], "loss (nats/token)"),
+                      "preference accuracy": (["reward_accuracy"], "chosen ranked first (fraction)"),
+                      "preference margin": (["reward_margin"], "chosen - rejected (reward)"),
+                      "throughput": (["tokens_per_sec"], "tokens/s")}
+
+
+def test_the_prefect_report_carries_its_plots_inline(tmp_path):
+    run_dir = run_dir_with_logs(tmp_path)
+    report, _ = write_report(run_dir)
+    shown = artifact_markdown(run_dir)
+    images = re.findall(r"!\[(\w+)\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", shown)
+    assert [name for name, _ in images] == ["pretrain", "reward", "ppo", "dpo", "kl"]
+    import base64
+
+    assert base64.b64decode(images[0][1]) == (run_dir / "plots" / "pretrain.png").read_bytes()
+    assert "(plots/" not in shown
