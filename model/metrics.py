@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gptforge.model import tracking
+
 # name -> what it means (units where it has them)
 NAMES = {
     # training steps
@@ -114,7 +116,8 @@ def from_trainer(logs: dict) -> dict:
 
 
 class MetricsLog:
-    """Rank 0 writes each record as a JSONL line and TensorBoard scalars (`logs/metrics.jsonl`, `logs/tb`),
+    """Rank 0 writes each record as a JSONL line and TensorBoard scalars (`logs/metrics.jsonl`, `logs/tb`), and to
+    MLflow when the stage is tracked (gptforge.model.tracking),
     tagged by the metric's name alone, so that the curves of every stage line up. A resumed run first drops
     what a killed run logged after the checkpoint it resumes from."""
 
@@ -138,6 +141,7 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        tracking.log_step(step, metrics)
         for k, v in metrics.items():
             if isinstance(v, (int, float)):
                 self.tb.add_scalar(k, v, step)

@@ -17,6 +17,7 @@ from prefect.runtime import deployment, flow_run, task_run
 from gptforge.core.config import PipelineConfig, dump_config, load_config
 from gptforge.core.errors import UserError
 from gptforge.pipeline.launch import run_stage
+from gptforge.model.tracking import pipeline_run
 from gptforge.pipeline.report import artifact_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps
 
@@ -72,8 +73,9 @@ def pipeline_flow(config: PipelineConfig = load_config(DEFAULT_CONFIG), from_sta
     resolved.write_text(dump_config(config))
     run_task = stage_task.with_options(retries=config.run.retries, retry_delay_seconds=config.run.retry_delay)
     metrics = {}
-    for stage in stages:
-        metrics[stage] = run_task(stage, str(resolved), recompute=from_stage is not None)["metrics"]
+    with pipeline_run(config):  # MLflow (run.tracker): the stages' runs nest under this one
+        for stage in stages:
+            metrics[stage] = run_task(stage, str(resolved), recompute=from_stage is not None)["metrics"]
     write_report(record.dir)
     create_markdown_artifact(key="run-report", markdown=artifact_markdown(record.dir),
                              description=f"report of run {config.run.name}")

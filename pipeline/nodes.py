@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
+from gptforge.model.tracking import PARENT_ENV
 from gptforge.core.errors import UserError
 from gptforge.pipeline.store import module_of
 from gptforge.stages.cli import stage_args
@@ -152,6 +153,8 @@ def node_env(cfg: PipelineConfig, stage: str) -> dict[str, str]:
     import torch
 
     env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
+    if PARENT_ENV in os.environ:  # the pipeline's MLflow run, to nest the stage's under (on every node)
+        env[PARENT_ENV] = os.environ[PARENT_ENV]
     if hosts_rendezvous(cfg, stage) and launcher_of(cfg, stage) == "deepspeed":
         env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     return env

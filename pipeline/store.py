@@ -185,7 +185,7 @@ def execute(cfg: PipelineConfig, step: str, run=None, outputs: dict[str, str] | 
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / MANIFEST).unlink(missing_ok=True)  # a stale or corrupted output is recomputed
     started = now()
-    result = run_stage(run, cfg, {up: d for up, (d, _) in inputs.items()}, out_dir)
+    result = run_stage(run, cfg, {up: d for up, (d, _) in inputs.items()}, out_dir, step)
     if rank != 0:
         return {"stage": step, "status": "complete", **result}
     manifest = complete(cfg, step, out_dir, fingerprint, inputs, outputs, result, started)

@@ -19,6 +19,7 @@ from gptforge.core.config import PipelineConfig, load_config
 from gptforge.core.errors import UserError, storage_error
 from gptforge.core.files import write_json_atomic
 from gptforge.model.metrics import check_names
+from gptforge.model.tracking import stage_run
 
 RESULT = "result.json"
 RunFn = Callable[[PipelineConfig, dict[str, Path], Path], dict]
@@ -32,15 +33,19 @@ def stage_args(config_path: Path, out_dir: Path, inputs: dict[str, Path]) -> lis
     return args
 
 
-def run_stage(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    """Run a stage in this process (one rank of it under a launcher); rank 0 writes result.json last."""
+def run_stage(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, name: str = "") -> dict:
+    """Run a stage in this process (one rank of it under a launcher); rank 0 writes result.json last. `name`:
+    the stage's, for the tracker (a stage in the store is named by its folder there)."""
     rank = int(os.environ.get("RANK", "0"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         (out_dir / RESULT).unlink(missing_ok=True)  # a stale result never describes this run
-    metrics = run(cfg, inputs, out_dir)
-    metrics.update(peak_memory(rank))
-    check_names(metrics)
+    name = out_dir.parent.name if out_dir.parent.parent.name == "store" else name or out_dir.name
+    with stage_run(cfg, name, out_dir, rank) as tracked:
+        metrics = run(cfg, inputs, out_dir)
+        metrics.update(peak_memory(rank))
+        check_names(metrics)
+        tracked(metrics)
     result = {"metrics": metrics, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     if rank == 0:
         write_json_atomic(out_dir / RESULT, result)
@@ -79,7 +84,7 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         inputs = dict(_input(item) for item in args.input)
-        run_stage(run, load_config(args.config, args.set), inputs, args.out)
+        run_stage(run, load_config(args.config, args.set), inputs, args.out, stage)
     except OSError as e:
         error = storage_error(e)
         if error is None:

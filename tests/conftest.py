@@ -58,7 +58,7 @@ def chain(tmp_path_factory):
 
 
 DPO = ["preference.algorithm=dpo", "distributed.zero_stage=2", "preference.max_steps=6", "preference.lr=5e-4",
-       "preference.save_every=2"]
+       "preference.save_every=2", "run.tracker=mlflow"]
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,10 @@ class RunSection(Section):
                            "checkpoint).")
     retry_delay: int = Setting(10, ge=0, description="Seconds between retries.")
     schedule: str | None = Setting(None, description="Cron schedule of the served deployment, e.g. '0 2 * * *'.")
+    tracker: Literal["none", "mlflow"] = Setting("none", same_result=True, description="Experiment tracker: mlflow "
+                                                 "logs each stage's parameters and metrics, nested under the run's.")
+    tracking_uri: str | None = Setting(None, same_result=True, description="MLflow tracking server or store; None: "
+                                       "sqlite:///<run.root>/mlflow.db.")
 
 
 class DemoSection(Section):

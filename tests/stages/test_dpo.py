@@ -41,6 +41,17 @@ def test_dpo_raises_the_chosen_over_the_rejected(chain, dpo):
     names = logged_names(out_dir)
     assert {"loss", "lr", "grad_norm", "train_reward_margin", "chosen_rewards"} <= names <= set(NAMES)
     assert not (out_dir / "model" / "training_args.bin").exists()  # no pickle in the model directory
+    # tracked in MLflow (run.tracker): TRL's logs in our names, each step, and the final metrics
+    from mlflow.tracking import MlflowClient
+
+    from gptforge.model.tracking import tracking_uri
+
+    client = MlflowClient(tracking_uri(cfg))
+    run = client.search_runs([client.get_experiment_by_name(cfg.run.name).experiment_id],
+                             filter_string="attributes.run_name = 'dpo'")[0]
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert history == [(r["step"], r["loss"]) for r in rows(out_dir) if "loss" in r]
+    assert run.data.metrics["global_step"] == 6 and run.data.params["preference.algorithm"] == "dpo"
 
 
 def test_a_resumed_dpo_logs_each_step_once(chain, dpo, tmp_path):
