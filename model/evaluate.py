@@ -112,8 +112,9 @@ def response_logprobs(model, tokenizer, prompts: list[list[dict]], responses: li
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(prompts), batch_size):
-        starts = [len(prompt_ids(tokenizer, p)) for p in prompts[i:i + batch_size]]
-        seqs = [prompt_ids(tokenizer, p) + r for p, r in zip(prompts[i:i + batch_size], responses[i:i + batch_size])]
+        heads = [prompt_ids(tokenizer, p) for p in prompts[i:i + batch_size]]  # the chat template applied once
+        starts = [len(h) for h in heads]
+        seqs = [h + r for h, r in zip(heads, responses[i:i + batch_size])]
         x, a, _ = collate([(s, s) for s in seqs], tokenizer.pad_token_id)
         x, a = x.to(device), a.to(device)
         logp = torch.log_softmax(model(input_ids=x, attention_mask=a).logits[:, :-1].float(), -1)  # (B, T-1, V)
