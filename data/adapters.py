@@ -6,6 +6,8 @@
 - preference: {"prompt": [messages...], "chosen": str, "rejected": str}
               from flat prompt/chosen/rejected strings, UltraFeedback-style message lists, or
               Anthropic HH full transcripts ("\\n\\nHuman: ... \\n\\nAssistant: ...")
+- evaluation: {"prompt": [messages...], "answer": str | None}
+              from a prompt with an optional reference answer, or a conversation in any chat format
 """
 
 from __future__ import annotations
@@ -150,6 +152,28 @@ def to_pair(value) -> dict:
     if not c.strip() or not r.strip():
         raise BadRow("empty chosen or rejected response")
     return {"prompt": prompt, "chosen": c, "rejected": r}
+
+
+REFERENCE_FIELDS = ("answer", "reference", "output", "completion", "response", "chosen")
+
+
+def to_eval_item(value) -> dict:
+    """An evaluation row -> {"prompt": [messages], "answer": str | None}: a prompt (string or messages) with an
+    optional reference in one of REFERENCE_FIELDS, or a conversation in any chat format whose last assistant turn,
+    if it ends with one, is the reference (an Alpaca row may leave out its output)."""
+    if isinstance(value, dict) and "prompt" in value:
+        p = value["prompt"]
+        prompt = [{"role": "user", "content": p}] if isinstance(p, str) else _check_messages(p)
+        answer = next((value[k] for k in REFERENCE_FIELDS if isinstance(value.get(k), str)), None)
+    else:
+        if isinstance(value, dict) and "instruction" in value and "output" not in value:
+            value = {**value, "output": ""}  # a prompt without its reference
+        messages = to_messages(value)["messages"]
+        ends_answered = messages[-1]["role"] == "assistant"
+        prompt, answer = (messages[:-1], messages[-1]["content"]) if ends_answered else (messages, None)
+    if not prompt or prompt[-1]["role"] == "assistant" or not any(m["content"].strip() for m in prompt):
+        raise BadRow("no prompt to answer")
+    return {"prompt": prompt, "answer": answer if answer and answer.strip() else None}
 
 
 @dataclass

@@ -153,15 +153,18 @@ def _draw(pool: dict, n: int, rng: random.Random) -> list[Item]:
 
 
 def generate(seed: int = 0, pretrain_docs: int = 20000, sft_items: int = 3000,
-             preference_pairs: int = 2000, eval_items: int = 200) -> DemoData:
-    """Generate the demo data; the same arguments always give the same data."""
+             preference_pairs: int = 2000, eval_items: int = 200, sft_flaws: float = 0.0) -> DemoData:
+    """Generate the demo data; the same arguments always give the same data. `sft_flaws`: the share of
+    demonstrations whose answer is a plausible wrong one (`_wrong_answer`), as in human demonstrations; the
+    preference pairs always rank the right answer first."""
     train, held = _pools()
     out = DemoData()
     rng = random.Random(f"pretrain-{seed}")
     out.pretrain = [_sentence(it, rng) for it in _draw(train, pretrain_docs, rng)]
-    rng = random.Random(f"sft-{seed}")
+    rng, slips = random.Random(f"sft-{seed}"), random.Random(f"sft-flaws-{seed}")
     out.sft = [{"messages": [{"role": "user", "content": it.question},
-                             {"role": "assistant", "content": it.answer}]}
+                             {"role": "assistant", "content": _wrong_answer(it, slips) if slips.random() < sft_flaws
+                              else it.answer}]}
                for it in _draw(train, sft_items, rng)]
     rng = random.Random(f"preference-{seed}")
     for it in _draw(train, preference_pairs, rng):
@@ -186,9 +189,12 @@ def part_settings(which: str, demo) -> dict:
     size = {"pretrain": demo.pretrain_docs, "sft": demo.sft_items, "preference": demo.preference_pairs,
             "eval": demo.eval_items}[which]
     held_out = None if which == "pretrain" else demo.eval_items  # validation rows come from held-out items
-    return {"part": which, "seed": demo.seed, "size": size, "eval_items": held_out, "version": VERSIONS[which]}
+    flaws = {"sft_flaws": demo.sft_flaws} if which == "sft" else {}
+    return {"part": which, "seed": demo.seed, "size": size, "eval_items": held_out, "version": VERSIONS[which],
+            **flaws}
 
 
 def from_settings(demo) -> DemoData:
     """Generate from a `data.demo` config section."""
-    return generate(demo.seed, demo.pretrain_docs, demo.sft_items, demo.preference_pairs, demo.eval_items)
+    return generate(demo.seed, demo.pretrain_docs, demo.sft_items, demo.preference_pairs, demo.eval_items,
+                    demo.sft_flaws)

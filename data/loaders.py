@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gptforge.core.errors import DataError
 from gptforge.data import demo
-from gptforge.data.adapters import Normalised, normalise, to_messages, to_pair
+from gptforge.data.adapters import Normalised, normalise, to_eval_item, to_messages, to_pair
 from gptforge.data.sources import fingerprint_source, kind_of, read_rows
 
 VAL_EVERY = 20  # for files and hub data: every 20th row is held out for validation
@@ -65,14 +65,51 @@ def answered_prompts(pairs: list[dict]) -> list[tuple[list[dict], str]]:
     return list({str(p["prompt"]): (p["prompt"], p["chosen"]) for p in pairs}.values())
 
 
-def eval_items(data_cfg) -> list[dict]:
-    """Held-out verifiable items ({"task", "prompt", "answer"}), from the demo generator."""
-    return demo.from_settings(data_cfg.demo).eval
+@dataclass
+class EvalSet:
+    """Held-out prompts for an evaluation step, with their reference answers where the data has them."""
+
+    items: list  # {"prompt": [messages], "answer": str | None}
+    source: str  # the config key and path they come from, for the log and for what cannot be computed
+    demo: bool = False  # the demo's verifiable items: exact match is its verifier
 
 
-def eval_fingerprint(data_cfg) -> str:
-    """Fingerprint of the held-out items that `eval_items` returns."""
-    return hashlib.sha256(json.dumps(demo.part_settings("eval", data_cfg.demo), sort_keys=True).encode()).hexdigest()
+def eval_source(data_cfg, after: str) -> tuple[str, object]:
+    """The config key and source an evaluation step reads after stage `after`: data.eval when set, else the
+    stage's own data (data.sft after SFT, data.preference after a preference stage)."""
+    if data_cfg.eval.path is not None:
+        return "data.eval", data_cfg.eval
+    which = "sft" if after == "sft" else "preference"
+    return f"data.{which}", getattr(data_cfg, which)
+
+
+def eval_set(data_cfg, after: str) -> EvalSet:
+    """The held-out prompts evaluated after stage `after` (sft or an algorithm). The demo: its verifiable items.
+    data.eval: its rows, each a conversation (the last assistant turn, if any, the reference) or a prompt with an
+    optional answer. Otherwise the rows the training stage held out: after SFT each held-out conversation up to
+    its last assistant turn, that turn the reference; after a preference stage the distinct prompts of the
+    held-out pairs (no reference: the reward model judges)."""
+    key, source = eval_source(data_cfg, after)
+    where = f"{key}={source.path}"
+    if kind_of(source.path) == "demo":
+        return EvalSet(demo.from_settings(data_cfg.demo).eval, where, demo=True)
+    if key == "data.eval":
+        return EvalSet(_load(source, data_cfg, to_eval_item, "evaluation").items, where)
+    if after == "sft":
+        items = [to_eval_item(c) for c in conversations(data_cfg).val]
+    else:
+        items = [{"prompt": p, "answer": None} for p, _ in answered_prompts(preference_pairs(data_cfg).val)]
+    return EvalSet(items, f"{where} (held-out rows)")
+
+
+def eval_fingerprint(data_cfg, step: str, digest_cache: Path | None = None) -> str:
+    """Fingerprint of the rows `eval_set` returns for evaluation step `step` (eval-sft, eval-dpo, ...)."""
+    key, source = eval_source(data_cfg, step.removeprefix("eval-"))
+    if kind_of(source.path) == "demo":
+        content = json.dumps(demo.part_settings("eval", data_cfg.demo), sort_keys=True)
+    else:  # which rows a stage holds out follows from the content (every VAL_EVERY-th row)
+        content = f"{key}|{fingerprint_source(source, {}, digest_cache)}|{data_cfg.on_bad_row}|{VAL_EVERY}"
+    return hashlib.sha256(content.encode()).hexdigest()
 
 
 def source_fingerprint(data_cfg, which: str, digest_cache: Path | None = None) -> str:

@@ -1,8 +1,10 @@
-"""Held-out evaluation by generation: exact match of greedy answers to verifiable items, and the preference
-report (the policy against the SFT model, judged by the reward model, and the KL between them)."""
+"""Held-out evaluation by generation: greedy answers scored against reference answers (exact match where they are
+short, ROUGE-L), and the preference report (the policy against the SFT model, judged by the reward model, and the
+KL between them)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -56,6 +58,44 @@ def verify(responses: list[str], answers: list[str]) -> list[float]:
     return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
 
 
+SHORT_ANSWER_WORDS = 5  # references this short (the median, in words) are scored by exact match as well
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def rouge_l(response: str, reference: str) -> float:
+    """ROUGE-L F1: the longest common subsequence of the two texts' words (lowercased, punctuation dropped)."""
+    a, b = words(response), words(reference)
+    row = [0] * (len(b) + 1)  # LCS lengths of a[:i] against every prefix of b
+    for x in a:
+        prev, row = row, [0]
+        for j, y in enumerate(b):
+            row.append(prev[j] + 1 if x == y else max(prev[j + 1], row[j]))
+    lcs = row[-1]
+    return 0.0 if lcs == 0 else 2 * lcs / (len(a) + len(b))
+
+
+def reference_metrics(references: list[str | None]) -> tuple[list[str], str | None]:
+    """The reference-based metrics that held-out items with these references support: rouge_l where any item has a
+    reference, exact_match too where the references are short answers; and, where some cannot be computed, why."""
+    given = [r for r in references if r is not None]
+    if not given:
+        return [], "no reference answers"
+    lengths = sorted(len(words(r)) for r in given)
+    if lengths[len(lengths) // 2] <= SHORT_ANSWER_WORDS:
+        return ["exact_match", "rouge_l"], None
+    return ["rouge_l"], f"exact_match: the reference answers are long (median {lengths[len(lengths) // 2]} words)"
+
+
+def score_references(responses: list[str], references: list[str | None], metrics: list[str]) -> dict:
+    """Mean exact match and ROUGE-L of responses against their references, over the items that have one."""
+    pairs = [(r, a) for r, a in zip(responses, references) if a is not None]
+    score = {"exact_match": lambda r, a: verify([r], [a])[0], "rouge_l": rouge_l}
+    return {m: sum(score[m](r, a) for r, a in pairs) / len(pairs) for m in metrics}
+
+
 def shares(n: int, batch_size: int, rank: int, world: int) -> list[range | None]:
     """The item ranges this rank evaluates: fixed batches of the n items (the same whatever the world size, so the
     results are too), every world-th one from the rank's own; padded with None to as many as any rank has, so
@@ -74,18 +114,16 @@ def gather_items(records: list[tuple[int, dict]], world: int) -> list[dict]:
     return [r for _, r in sorted(records, key=lambda r: r[0])]
 
 
-def exact_match(model, tokenizer, items: list[dict], max_new_tokens: int, batch_size: int = 64, rank: int = 0,
-                world: int = 1, synced: bool = False) -> tuple[float, list[str]]:
-    """Fraction of items whose greedy response is the known answer (`verify`); and the responses. Each rank
-    answers its share of the batches (`shares`); `synced`: the model is partitioned (ZeRO-3)."""
+def answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 64, rank: int = 0,
+            world: int = 1, synced: bool = False) -> list[str]:
+    """Greedy responses to every prompt, on every rank: each rank answers its share of the batches (`shares`);
+    `synced`: the model is partitioned (ZeRO-3)."""
     records = []
-    for share in shares(len(items), batch_size, rank, world):
-        batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
-        answers = generate(model, tokenizer, [it["prompt"] for it in batch], max_new_tokens, batch_size,
-                           synced=synced)
-        records += list(zip(share, answers)) if share else []
-    responses = gather_items(records, world)
-    return sum(verify(responses, [it["answer"] for it in items])) / len(items), responses
+    for share in shares(len(prompts), batch_size, rank, world):
+        batch = [prompts[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
+        responses = generate(model, tokenizer, batch, max_new_tokens, batch_size, synced=synced)
+        records += list(zip(share, responses)) if share else []
+    return gather_items(records, world)
 
 
 @torch.no_grad()
@@ -154,12 +192,12 @@ def win_rate(answers: list[str], other_answers: list[str], scores: list[float], 
 
 def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
-                      synced: bool = False) -> tuple[dict, list[str]]:
-    """Held-out metrics of a preference stage: exact match of the policy and of the SFT model, the reward
-    model's mean score of the policy's answers, its win rate against the SFT model's answers (ties count
-    half), and KL(policy || SFT) estimated on samples from the policy (nats per response); and the policy's
-    greedy answers. Batched; each rank takes its share of the batches (`shares`), every rank gets the report;
-    `synced`: the models are partitioned (ZeRO-3)."""
+                      synced: bool = False, verifiable: bool = True) -> tuple[dict, list[str]]:
+    """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
+    SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
+    samples from the policy (nats per response), and on `verifiable` items (the demo's) the exact match of both;
+    and the policy's greedy answers. Batched; each rank takes its share of the batches (`shares`), every rank gets
+    the report; `synced`: the models are partitioned (ZeRO-3)."""
     records = []
     for share in shares(len(items), batch_size, rank, world):
         batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
@@ -176,11 +214,14 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
                          "sft_score": scores["sft"][j], "kl": kl[j]}) for j, i in enumerate(share or [])]
     rows = gather_items(records, world)
     col = {key: [r[key] for r in rows] for key in rows[0]}
-    truth = [it["answer"] for it in items]
-    return {"exact_match": sum(verify(col["answer"], truth)) / len(items),
-            "sft_exact_match": sum(verify(col["sft_answer"], truth)) / len(items),
-            "win_rate_vs_sft": win_rate(col["answer"], col["sft_answer"], col["score"], col["sft_score"]),
-            "reward_mean": sum(col["score"]) / len(items), "kl": sum(col["kl"]) / len(items)}, col["answer"]
+    report = {"win_rate_vs_sft": win_rate(col["answer"], col["sft_answer"], col["score"], col["sft_score"]),
+              "reward_mean": sum(col["score"]) / len(items), "sft_reward_mean": sum(col["sft_score"]) / len(items),
+              "kl": sum(col["kl"]) / len(items)}
+    if verifiable:
+        truth = [it["answer"] for it in items]
+        report |= {"exact_match": sum(verify(col["answer"], truth)) / len(items),
+                   "sft_exact_match": sum(verify(col["sft_answer"], truth)) / len(items)}
+    return report, col["answer"]
 
 
 def check_same_vocabulary(a, b, what: str) -> None:

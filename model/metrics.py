@@ -64,6 +64,11 @@ NAMES = {
     "exact_match": "share of held-out items whose greedy answer is the known answer",
     "base_exact_match": "exact_match of the stage's input model in the same prompt format",
     "sft_exact_match": "exact_match of the SFT model",
+    "rouge_l": "mean ROUGE-L F1 (longest common word subsequence) of held-out greedy answers against the reference "
+               "answers",
+    "base_rouge_l": "rouge_l of the stage's input model in the same prompt format",
+    "sft_reward_mean": "mean reward of the SFT model's greedy answers to the held-out prompts",
+    "unscored": "the reference-based metrics the evaluation data could not give, and why",
     "win_rate_vs_sft": "share of held-out prompts where the reward model prefers the policy's answer to the SFT "
                        "model's (ties count half)",
     "eval_items": "held-out items evaluated",
@@ -84,6 +89,8 @@ NAMES = {
     "policy_pairs": "pairs added from the SFT model's wrong answers",
 }
 
+HARNESS = "harness/"  # harness/<task>/<metric>[/<filter>]: an lm-evaluation-harness score (gptforge.model.harness)
+
 # What TRL's trainers log, in our names; their other keys are left out.
 TRL_NAMES = {
     "loss": "loss", "learning_rate": "lr", "grad_norm": "grad_norm", "ptx_loss": "ptx_loss", "entropy": "entropy",
@@ -101,7 +108,7 @@ WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilati
 
 
 def check_names(metrics: dict) -> None:
-    unknown = sorted(set(metrics) - set(NAMES))
+    unknown = sorted(k for k in set(metrics) - set(NAMES) if not k.startswith(HARNESS))
     if unknown:
         raise ValueError(f"metric names outside the vocabulary (gptforge.model.metrics.NAMES): {unknown}")
 

@@ -17,6 +17,7 @@ from prefect.runtime import deployment, flow_run, task_run
 from gptforge.core.config import PipelineConfig, dump_config, load_config
 from gptforge.core.errors import UserError
 from gptforge.pipeline.launch import run_stage
+from gptforge.model.harness import check_tasks
 from gptforge.model.tracking import pipeline_run
 from gptforge.pipeline.report import artifact_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps
@@ -67,6 +68,8 @@ def pipeline_flow(config: PipelineConfig = load_config(DEFAULT_CONFIG), from_sta
     """Run the pipeline: each stage reused when complete, else computed (or resumed from its checkpoints).
     `from_stage` recomputes from that stage on; `only` runs one stage on existing inputs."""
     stages = selected_stages(config, from_stage, only)
+    if config.eval.harness_tasks:  # a misspelt task fails now, not after the training before its evaluation
+        check_tasks(config.eval)
     config = named_for_this_run(config)
     record = RunRecord(config)
     resolved = record.dir / "config.yaml"

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from gptforge.core.files import write_json_atomic
+from gptforge.model.metrics import HARNESS
 
 # (panel title, logged keys drawn on it, y-axis label with its unit); a stage's figure has the panels it logged.
 PANELS = [
@@ -29,7 +30,8 @@ PANELS = [
     ("throughput", ("tokens_per_sec",), "tokens/s"),
 ]
 # The metrics a stage's table shows, in this order, those it has (at most five).
-HEADLINE = ["val_loss", "exact_match", "base_exact_match", "sft_exact_match", "win_rate_vs_sft", "reward_accuracy",
+HEADLINE = ["val_loss", "exact_match", "base_exact_match", "sft_exact_match", "rouge_l", "base_rouge_l",
+            "win_rate_vs_sft", "reward_accuracy",
             "reward_margin", "reward_mean", "kl", "val_ppl", "tokens_per_sec", "mfu", "peak_host_memory_gib"]
 
 
@@ -112,14 +114,15 @@ def duration(seconds: float) -> str:
 def stage_table(stage: str, info: dict) -> str:
     """A stage's table: one row of its action, time and headline metrics; the stage's name links to its output."""
     m = info.get("metrics") or {}
-    keys = [k for k in HEADLINE if m.get(k) is not None][:5]
+    keys = [k for k in HEADLINE if m.get(k) is not None][:5] + sorted(k for k in m if k.startswith(HARNESS))[:4]
     output = info.get("output")
     name = f"[{stage}]({Path(output).resolve().as_uri()})" if output else stage
     seconds = info.get("seconds")
     head = ["stage", "action", "time"] + keys
     cells = [name, info.get("action", ""), duration(seconds) if isinstance(seconds, (int, float)) else ""]
     cells += [_fmt(m[k]) for k in keys]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), "| " + " | ".join(cells) + " |"])
+    table = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), "| " + " | ".join(cells) + " |"]
+    return "\n".join(table + ([f"\nNot computed: {m['unscored']}."] if m.get("unscored") else []))
 
 
 def markdown(record: dict, plots: list[str], image) -> str:

@@ -61,8 +61,11 @@ def stage_config(cfg: PipelineConfig, step: str) -> dict:
     """The config that defines a step's output (what its fingerprint hashes)."""
     if step == "tokenize":
         return {"tokenizer": result_fields(cfg.tokenizer)}
-    if step.startswith("eval-"):
-        return {"eval": result_fields(cfg.eval), "seed": cfg.run.seed}
+    if step.startswith("eval-"):  # the harness settings only where this stage runs the harness
+        harness = step.removeprefix("eval-") in cfg.eval.harness_stages and cfg.eval.harness_tasks
+        fields = {k: v for k, v in result_fields(cfg.eval, leave_out=("harness_stages",)).items()
+                  if harness or not k.startswith("harness_")}
+        return {"eval": fields, "seed": cfg.run.seed}
     if step == "pretrain":
         return {"model": result_fields(cfg.model), "pretrain": result_fields(cfg.pretrain), "seed": cfg.run.seed}
     if step in ALGORITHMS:  # the fields every algorithm shares, and this one's own
@@ -89,7 +92,7 @@ def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[st
     for step in steps or pipeline_steps(cfg):
         for s in lineage(step):
             if s not in out:
-                data = eval_fingerprint(cfg.data) if s.startswith("eval-") else (
+                data = eval_fingerprint(cfg.data, s, digest_cache(cfg)) if s.startswith("eval-") else (
                     source_fingerprint(cfg.data, DATA_OF[s], digest_cache(cfg)) if s in DATA_OF else None)
                 out[s] = _hash({"stage": s, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(s, 1),
                                 "config": stage_config(cfg, s), "inputs": {up: out[up] for up in UPSTREAM[s]},

@@ -6,10 +6,14 @@ evaluated (the `eval` section) reruns this and never the training before it.
     torchrun --nproc_per_node 8 -m gptforge.stages.evaluate --config CONFIG --out DIR --input dpo=DIR \\
         --input sft=DIR --input reward=DIR
 
-After SFT (inputs sft and pretrain): greedy exact match of the SFT model and of the pretrained base model,
-prompted in the same chat format, on the held-out verifiable items. After a preference stage (inputs the
-policy, sft and reward): the preference report (gptforge.model.evaluate.preference_report). Greedy answers
-go to `answers.jsonl`.
+What is evaluated is the run's own held-out data (gptforge.data.loaders.eval_set): the demo's verifiable items,
+the rows held out of data.sft / data.preference, or data.eval. After SFT (inputs sft and pretrain): the greedy
+answers of the SFT model and of the pretrained base model, prompted in the same chat format, scored against the
+reference answers (ROUGE-L; exact match where the answers are short; without references, `unscored` says what
+could not be computed). After a preference stage (inputs the policy, sft and reward): the preference report
+(gptforge.model.evaluate.preference_report), exact match only on the demo's verifiable items. Greedy answers go
+to `answers.jsonl`. Then `eval.harness_tasks` through lm-evaluation-harness (gptforge.model.harness), results in
+`harness/`.
 
 Where it runs: on the CPU one process, in fp32. On GPUs (`eval.processes`) every process of the stage's layout
 takes its share of fixed batches (the results do not depend on how many there are), in bf16 where training is;
@@ -18,26 +22,39 @@ under ZeRO-3 the models are partitioned over the processes, as in training, and 
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
 
+import torch
+
 from gptforge.core.config import ALGORITHMS, PipelineConfig
 from gptforge.data import loaders
-from gptforge.model.distributed import setup_distributed
+from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import frozen, inference_config, partitioned, unwrap
-from gptforge.model.evaluate import check_same_vocabulary, exact_match, preference_report
+from gptforge.model.evaluate import (answers, check_same_vocabulary, preference_report, reference_metrics,
+                                     score_references, stop_ids)
+from gptforge.model.harness import check_tasks, run_harness
 from gptforge.stages.cli import main
 
-OUTPUTS = {"answers": "answers.jsonl"}
+OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     rank, world, device = setup_distributed()
-    items = loaders.eval_items(cfg.data)[:cfg.eval.items]
     policy = next((s for s in ALGORITHMS if s in inputs), None)
+    harness = bool(cfg.eval.harness_tasks) and (policy or "sft") in cfg.eval.harness_stages
+    if harness:
+        check_tasks(cfg.eval)
+    held_out = loaders.eval_set(cfg.data, policy or "sft")
+    items = held_out.items[:cfg.eval.items]
+    references = [it["answer"] for it in items]
+    scored, unscored = (["exact_match"], None) if held_out.demo else reference_metrics(references)
+    if policy is None and unscored and rank == 0:
+        print(f"[eval] {held_out.source}: not computed: {unscored}", flush=True)
     model_dir = inputs[policy or "sft"] / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     partition = world > 1 and cfg.distributed.zero_stage == 3
@@ -45,30 +62,50 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                               partition)
     split = {"batch_size": cfg.eval.batch_size, "rank": rank, "world": world, "synced": partition}
 
+    loaded = []
+
     def load(cls, path: Path):  # held as training holds it: on the device, in its precision, partitioned or not
         with partitioned(config):
-            return frozen(cls.from_pretrained(path), config, device)
+            loaded.append(frozen(cls.from_pretrained(path), config, device))
+        return loaded[-1]
 
     model = load(AutoModelForCausalLM, model_dir)
-    if policy is None:  # after SFT: the SFT model against the pretrained one
+    if policy is None:  # after SFT: the SFT model against the pretrained one, on reference answers
+        prompts = [it["prompt"] for it in items]
+        responses = answers(unwrap(model), tokenizer, prompts, cfg.eval.max_new_tokens, **split)
         base = load(AutoModelForCausalLM, inputs["pretrain"] / "model")
-        em, responses = exact_match(unwrap(model), tokenizer, items, cfg.eval.max_new_tokens, **split)
-        base_em, _ = exact_match(unwrap(base), tokenizer, items, cfg.eval.max_new_tokens, **split)
-        metrics = {"exact_match": em, "base_exact_match": base_em}
+        base_responses = answers(unwrap(base), tokenizer, prompts, cfg.eval.max_new_tokens, **split)
+        metrics = {**score_references(responses, references, scored),
+                   **{f"base_{k}": v for k, v in score_references(base_responses, references, scored).items()}}
     else:
         reward_dir = inputs["reward"] / "model"
         check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(reward_dir), f"reward model {reward_dir}")
         sft, reward_model = (load(AutoModelForCausalLM, inputs["sft"] / "model"),
                              load(AutoModelForSequenceClassification, reward_dir))
         metrics, responses = preference_report(unwrap(model), unwrap(sft), unwrap(reward_model), tokenizer, items,
-                                               cfg.eval.max_new_tokens, cfg.run.seed, **split)
+                                               cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
+                                               **split)
     if rank == 0:
         with open(out_dir / OUTPUTS["answers"], "w") as f:
             for it, r in zip(items, responses):
                 f.write(json.dumps({"prompt": it["prompt"], "answer": it["answer"], "response": r}) + "\n")
         for it, r in list(zip(items, responses))[:5]:
             print(f"[eval] {it['prompt'][-1]['content']!r} -> {r!r} (answer {it['answer']!r})", flush=True)
-    return {**{k: round(v, 6) for k, v in metrics.items()}, "eval_items": len(items)}
+    metrics = {k: round(v, 6) for k, v in metrics.items()}
+    if policy is None and unscored:
+        metrics["unscored"] = f"{unscored} in {held_out.source}"
+    if harness:
+        stops = [tokenizer.decode([i]) for i in sorted(stop_ids(unwrap(model)))]
+        model = base = sft = reward_model = None  # the harness loads the exported model on this device itself
+        loaded.clear()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if rank == 0:
+            metrics |= run_harness(model_dir, cfg.eval, str(device), "bfloat16" if config.get("bf16") else "float32",
+                                   out_dir / OUTPUTS["harness"], cfg.run.seed, items if held_out.demo else None, stops)
+        barrier()
+    return {**metrics, "eval_items": len(items)}
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ class DemoSection(Section):
     seed: int = Setting(0, description="Seed of the built-in demo data generator.")
     pretrain_docs: int = Setting(20000, ge=1, description="Number of pretraining documents (one Q/A or sentence each).")
     sft_items: int = Setting(3000, ge=1, description="Number of instruction conversations.")
+    sft_flaws: float = Setting(0.0, ge=0, lt=1, description="Share of the conversations whose answer is a plausible "
+                               "wrong one, as human demonstrations have (the preference pairs always rank the right "
+                               "answer first).")
     preference_pairs: int = Setting(2000, ge=1, description="Number of preference pairs.")
     eval_items: int = Setting(200, ge=1, description="Number of held-out verifiable items.")
 
@@ -83,6 +86,13 @@ class SourceSection(Section):
         return {"path": data} if isinstance(data, str) else data
 
 
+class EvalSourceSection(SourceSection):
+    """Where the evaluation steps' prompts come from; a plain string in the YAML is its `path`."""
+
+    path: str | None = Setting(None, description="None: the rows held out of data.sft / data.preference; else a "
+                               "source of prompts with optional answers ({prompt, answer}) or conversations.")
+
+
 class DataSection(Section):
     pretrain: SourceSection = Setting(default_factory=SourceSection, description="Pretraining corpus.")
     sft: SourceSection = Setting(default_factory=SourceSection, description="Chat data (Alpaca, ShareGPT, OpenAI "
@@ -91,6 +101,8 @@ class DataSection(Section):
                                         "rejected, UltraFeedback, HH).")
     text_field: str = Setting("text", description="Field holding the text in JSON/Parquet/Arrow pretraining rows.")
     on_bad_row: Literal["skip", "fail"] = Setting("skip", description="Skip bad rows (counted) or fail the stage.")
+    eval: EvalSourceSection = Setting(default_factory=EvalSourceSection, description="Held-out prompts for the "
+                                      "evaluation steps (default: rows held out of the stages' own data).")
     demo: DemoSection = Setting(default_factory=DemoSection, description="Demo data sizes.")
 
 
@@ -357,6 +369,14 @@ class EvalSection(Section):
     processes: Literal["auto", "one", "all"] = Setting(
         "auto", same_result=True, description="one process, or all of the distributed layout's (a share of the "
         "batches each); auto: all with a GPU here or nodes over ssh/slurm.")
+    harness_tasks: list[str] = Setting([], description="lm-evaluation-harness tasks run on the exported model of "
+                                       "each of harness_stages, e.g. [arc_easy]; gptforge_demo: the demo's held-out "
+                                       "items.")
+    harness_stages: list[Literal["sft", Algorithm]] = Setting(["sft", *ALGORITHMS], description="The evaluated "
+                                                              "stages whose evaluation step runs harness_tasks.")
+    harness_include: list[str] = Setting([], description="Folders of the user's own task YAMLs for harness_tasks.")
+    harness_limit: int | None = Setting(None, ge=1, description="Examples per harness task (None: all).")
+    harness_num_fewshot: int | None = Setting(None, ge=0, description="Few-shot examples (None: each task's own).")
 
     def distributed(self, dist) -> bool:
         """Whether the evaluation step runs on every process of the `distributed` section's layout."""

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -5,7 +7,9 @@ from gptforge.core.errors import UserError
 from gptforge.core.presets import PRESETS
 from gptforge.data.tokenizer import save_hf, train_bpe
 from gptforge.model.build import build_model, hf_config
-from gptforge.model.evaluate import check_same_vocabulary, preference_report, verify, win_rate
+from gptforge.model.evaluate import (answers, check_same_vocabulary, preference_report, reference_metrics, rouge_l,
+                                     score_references, stop_ids, verify, win_rate)
+from gptforge.model.harness import check_tasks, run_harness
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -70,3 +74,50 @@ def test_a_reward_model_with_another_vocabulary_is_an_error(tokenizer, tmp_path)
     with pytest.raises(UserError, match="vocabularies differ"):
         check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(tmp_path), "reward model")
     check_same_vocabulary(tokenizer, tokenizer, "the same")
+
+
+def test_rouge_l_is_the_f1_of_the_longest_common_word_subsequence():
+    assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(2 * 5 / 12)
+    assert rouge_l("Hello, World!", "hello world") == 1.0 and rouge_l("", "hello") == 0.0
+    assert rouge_l("b a", "a b") == pytest.approx(0.5)  # order matters: a subsequence, not a bag of words
+
+
+def test_the_references_decide_which_metrics_are_computed():
+    assert reference_metrics(["58", "kite kite", None]) == (["exact_match", "rouge_l"], None)
+    long = "a long answer of many more words than a short one"
+    metrics, why = reference_metrics([long, long, "42"])
+    assert metrics == ["rouge_l"] and "long (median 11 words)" in why
+    assert reference_metrics([None, None]) == ([], "no reference answers")
+    # items without a reference are left out, not scored as misses
+    assert score_references(["58", "x", "kite"], ["58", None, "kite kite"], ["exact_match", "rouge_l"]) == \
+        {"exact_match": 0.5, "rouge_l": pytest.approx((1 + 2 / 3) / 2)}
+
+
+def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(tokenizer, tmp_path):
+    """lm-evaluation-harness on the demo task (a YAML over a local JSONL) gives the greedy answers of our own
+    generation, answer for answer, and their exact match."""
+    from gptforge.core.config import load_config
+    from tests.conftest import TINY
+
+    model = policy(tokenizer, 3)
+    model.generation_config.max_new_tokens = 64  # as exports have it: the task's own bound must hold
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    items = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}], "answer": str(2 * i)}
+             for i in range(10)]
+    ours = answers(model, tokenizer, [it["prompt"] for it in items], 6, 4)
+    items[4]["answer"] = ours[4]  # one right answer
+    cfg = load_config(TINY, ["eval.harness_tasks=[gptforge_demo]", "eval.max_new_tokens=6", "eval.batch_size=4"])
+    stops = [tokenizer.decode([i]) for i in stop_ids(model)]
+    scores = run_harness(tmp_path, cfg.eval, "cpu", "float32", tmp_path / "harness", 0, items, stops)
+    samples = sorted((json.loads(line) for line in (tmp_path / "harness/samples/gptforge_demo.jsonl").open()),
+                     key=lambda s: s["doc_id"])
+    assert [s["filtered_resps"][0] for s in samples] == ours
+    expected = score_references(ours, [it["answer"] for it in items], ["exact_match"])["exact_match"]
+    assert scores == {"harness/gptforge_demo/exact_match/strip": expected} and expected >= 0.1
+    assert (tmp_path / "harness" / "gptforge_demo.yaml").is_file()
+
+
+def test_an_unknown_harness_task_names_the_closest(small_cfg):
+    with pytest.raises(UserError, match="no task 'hellaswg'; closest: hellaswag"):
+        check_tasks(small_cfg("eval.harness_tasks=[gptforge_demo,arc_easy,hellaswg]").eval)
