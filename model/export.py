@@ -36,8 +36,10 @@ def save_tokenizer_and_generation_config(tokenizer, out: Path, context_length: i
 
     tokenizer.model_max_length = context_length
     tokenizer.save_pretrained(out)
+    # no length: callers bound generation themselves (lm-evaluation-harness by max_length, which a stored
+    # max_new_tokens would override)
     GenerationConfig(eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                     bos_token_id=tokenizer.bos_token_id, max_new_tokens=64).save_pretrained(out)
+                     bos_token_id=tokenizer.bos_token_id).save_pretrained(out)
 
 
 def context_length(config) -> int:

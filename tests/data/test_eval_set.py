@@ -9,6 +9,7 @@ from gptforge.core.errors import DataError
 from gptforge.data import demo
 from gptforge.data.adapters import BadRow, to_eval_item
 from gptforge.data.loaders import VAL_EVERY, eval_fingerprint, eval_set
+from gptforge.pipeline.store import fingerprints
 
 
 def write_jsonl(path, rows):
@@ -68,6 +69,8 @@ def test_data_eval_replaces_the_held_out_rows_and_is_fingerprinted(small_cfg, tm
     user = small_cfg(f"data.sft={files['sft']}").data
     assert eval_fingerprint(user, "eval-sft") != fp["eval-sft"]
     assert eval_fingerprint(user, "eval-dpo") == eval_fingerprint(small_cfg().data, "eval-dpo")  # demo pairs
+    changed = fingerprints(small_cfg(f"data.eval={prompts}")), fingerprints(small_cfg())
+    assert {s for s in changed[0] if changed[0][s] != changed[1][s]} == {"eval-sft", "eval-dpo"}  # nothing trains
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 3 plus 3?"}])
     assert eval_fingerprint(cfg.data, "eval-sft") != fp["eval-sft"]  # the file's content, not its name
     write_jsonl(tmp_path / "prompts.jsonl", [{"bad": 1}])

@@ -100,7 +100,7 @@ def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(to
     from tests.conftest import TINY
 
     model = policy(tokenizer, 3)
-    model.generation_config.max_new_tokens = 64  # as exports have it: the task's own bound must hold
+    model.generation_config.max_new_tokens = 64  # as earlier exports have it: the task's own bound must hold
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     items = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}], "answer": str(2 * i)}

@@ -13,8 +13,10 @@ import pytest
 from gptforge.core.errors import DataError
 from gptforge.core.files import sha256_file
 from gptforge.model.checkpoints import newest_valid_checkpoint
+from gptforge.pipeline.store import locate
 from gptforge.stages.pretrain import load_data
-from tests.helpers import config, kill_after_checkpoint, launch, logged, run_stage, tokenize_in_process
+from tests.helpers import (config, copy_store, kill_after_checkpoint, launch, logged, run_stage,
+                           tokenize_in_process)
 
 pytestmark = pytest.mark.slow
 
@@ -130,8 +132,10 @@ def test_a_pickle_planted_in_a_checkpoint_does_not_run(zero2, tmp_path):
     import torch
 
     cfg, path = config(tmp_path, "distributed.zero_stage=2")
-    tokenize_in_process(cfg)
-    out_dir = kill_after_checkpoint(cfg, path, "pretrain", step=10)
+    copy_store(zero2[1].parents[2], tmp_path, "tokenize", "pretrain")  # zero2's output, its checkpoints ...
+    out_dir = locate(cfg, "pretrain")[0]
+    for done in ("manifest.json", "result.json"):  # ... as a run killed after its last checkpoint left them
+        (out_dir / done).unlink()
     ckpt = newest_valid_checkpoint(out_dir / "checkpoints")
     target = next(ckpt.rglob("*optim_states.pt"))
     marker = tmp_path / "payload-ran"
