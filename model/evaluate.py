@@ -83,10 +83,10 @@ def reference_metrics(references: list[str | None]) -> tuple[list[str], str | No
     given = [r for r in references if r is not None]
     if not given:
         return [], "no reference answers"
-    lengths = sorted(len(words(r)) for r in given)
-    if lengths[len(lengths) // 2] <= SHORT_ANSWER_WORDS:
+    median = sorted(len(words(r)) for r in given)[len(given) // 2]
+    if median <= SHORT_ANSWER_WORDS:
         return ["exact_match", "rouge_l"], None
-    return ["rouge_l"], f"exact_match: the reference answers are long (median {lengths[len(lengths) // 2]} words)"
+    return ["rouge_l"], f"exact_match: the reference answers are long (median {median} words)"
 
 
 def score_references(responses: list[str], references: list[str | None], metrics: list[str]) -> dict:
@@ -219,8 +219,8 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
               "kl": sum(col["kl"]) / len(items)}
     if verifiable:
         truth = [it["answer"] for it in items]
-        report |= {"exact_match": sum(verify(col["answer"], truth)) / len(items),
-                   "sft_exact_match": sum(verify(col["sft_answer"], truth)) / len(items)}
+        report |= {"exact_match": score_references(col["answer"], truth, ["exact_match"])["exact_match"],
+                   "sft_exact_match": score_references(col["sft_answer"], truth, ["exact_match"])["exact_match"]}
     return report, col["answer"]
 
 
