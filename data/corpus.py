@@ -5,8 +5,8 @@
   `sample_bytes` of them. Merging the units' samples the same way (`Sample`) gives a uniform sample of the
   whole corpus whatever the order or the machine the units ran on; memory never holds more than the budget.
 - `encode_unit`: read and normalise again, put each document in train or val by a hash of its text (a
-  duplicate never lands on both sides), encode in bounded batches and write the unit's shard files
-  (gptforge.data.shards.ShardWriter), with the train tokens' unigram counts.
+  duplicate never lands on both sides), encode in bounded batches through a word cache (gptforge.data.encoder)
+  and write the unit's shard files (gptforge.data.shards.ShardWriter), with the train tokens' unigram counts.
 
 Both are plain functions of their arguments, run as Ray tasks (gptforge.data.parallel).
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from gptforge.data.adapters import BadRow, to_text
+from gptforge.data.encoder import WordCache
 from gptforge.data.shards import ShardWriter
 from gptforge.data.sources import Unit, count_lines, read_unit
 
@@ -121,19 +122,25 @@ class Encoding:
     shard_tokens: int
     val_fraction: float
     seed: int
+    word_cache: bool = True
 
 
-_tokenizers: dict = {}
+_encoders: dict = {}
 
 
-def _tokenizer(encoding: Encoding):
+def _encoder(encoding: Encoding) -> WordCache:
+    """The tokenizer behind a word cache, built once a worker process (not once a task): a later task on the same
+    worker finds its words already encoded."""
     from tokenizers import Tokenizer
 
-    digest = hashlib.sha256(encoding.tokenizer_json.encode()).hexdigest()
-    if digest not in _tokenizers:  # once a worker process, not once a task
-        _tokenizers.clear()
-        _tokenizers[digest] = Tokenizer.from_str(encoding.tokenizer_json)
-    return _tokenizers[digest]
+    digest = hashlib.sha256(f"{encoding.tokenizer_json}|{encoding.word_cache}".encode()).hexdigest()
+    if digest not in _encoders:
+        _encoders.clear()
+        tok = Tokenizer.from_str(encoding.tokenizer_json)
+        tok.no_truncation()  # a pretrained tokenizer.json may carry them: a document is encoded whole, unpadded
+        tok.no_padding()
+        _encoders[digest] = WordCache(tok, exact_only=not encoding.word_cache)
+    return _encoders[digest]
 
 
 def is_val(text: str, val_fraction: float, seed: int) -> bool:
@@ -144,20 +151,20 @@ def encode_unit(job: tuple[int, Unit], reading: Reading, encoding: Encoding, out
     """Encode unit `index` into its shard files under out_dir; returns the shards of each split, documents,
     the train tokens' unigram counts and the largest token id."""
     index, unit = job
-    tok = _tokenizer(encoding)
+    encoder = _encoder(encoding)
     writers = {s: ShardWriter(out_dir, f"{s}-{index:05d}", encoding.dtype, encoding.shard_tokens)
                for s in ("train", "val")}
     counts = np.zeros(encoding.vocab_size, dtype=np.int64)
     batches = {"train": [], "val": []}
+    eos = np.array([encoding.eos_id], dtype=np.uint32)
     docs, max_id = 0, -1
 
     def flush(split: str) -> None:
         nonlocal max_id
-        ids = []
-        for enc in tok.encode_batch_fast(batches[split], add_special_tokens=False):
-            ids.extend(enc.ids)
-            ids.append(encoding.eos_id)
-        tokens = np.asarray(ids, dtype=np.int64)
+        lines, texts = zip(*batches[split])
+        encoded = encoder.encode(list(texts))
+        encoder.check(texts[0], encoded[0], f"{unit.path} (row {lines[0]} of unit {index})")
+        tokens = np.concatenate([part for ids in encoded for part in (ids, eos)])
         if split == "train":
             counts[:] += np.bincount(tokens, minlength=encoding.vocab_size)[:encoding.vocab_size]
         max_id = max(max_id, int(tokens.max()))
@@ -165,10 +172,10 @@ def encode_unit(job: tuple[int, Unit], reading: Reading, encoding: Encoding, out
         batches[split] = []
 
     try:
-        for _, text in documents(unit, reading):
+        for line, text in documents(unit, reading):
             docs += 1
             split = "val" if is_val(text, encoding.val_fraction, encoding.seed) else "train"
-            batches[split].append(text)
+            batches[split].append((line, text))
             if len(batches[split]) >= ENCODE_BATCH:
                 flush(split)
         for split in batches:

@@ -140,7 +140,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             tok, eos_id = tokenizer(cfg, sample, tok_dir)
             vocab_size = tok.get_vocab_size()
             encoding = Encoding(tok.to_str(), eos_id, vocab_size, np.dtype(dtype_for(vocab_size)).name, tc.shard_tokens,
-                                tc.val_fraction, cfg.run.seed)
+                                tc.val_fraction, cfg.run.seed, tc.word_cache)
             results, fresh, seconds = encode(plan, reading, encoding, run_units, shard_dir)
     except BaseException:  # a task stopped mid-unit (another failed, or we were cancelled) left its temporary files
         for tmp in shard_dir.glob(".*.tmp"):

@@ -119,6 +119,8 @@ class TokenizerSection(Section):
     train_sample_bytes: int = Setting(100_000_000, ge=1, description="BPE trains on a seeded sample of at most this "
                                       "many bytes of documents, drawn across the whole corpus.")
     shard_tokens: int = Setting(50_000_000, ge=1000, description="Maximum tokens per shard file.")
+    word_cache: bool = Setting(True, same_result=True, description="Encode each distinct word once, the same ids "
+                               "as the tokenizer alone (gptforge.data.encoder); false: encode every document whole.")
     num_workers: int = Setting(0, ge=0, same_result=True, description="Worker processes of the local Ray instance; 0 "
                                "means one per CPU core.")
     cluster: str | None = Setting(None, same_result=True, description="Ray cluster doing the tokenize stage's "
