@@ -24,6 +24,17 @@ def no_router_loss(model) -> dict:
     return {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
 
 
+def generate_ids(model, tokenizer, prompts: list[list[dict]], synced: bool = False, **generation):
+    """Chat prompts, left-padded, through `model.generate` with the KV cache, stopping at the model's stop tokens:
+    the sequences (B, P+R), the prompts' attention mask (B, P) on the model's device, and the stop ids."""
+    ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
+    device, stops = next(model.parameters()).device, stop_ids(model)
+    out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=list(stops), use_cache=True,
+                         synced_gpus=synced, **generation, **no_router_loss(model))
+    return out, attention.to(device), stops
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 64,
              do_sample: bool = False, synced: bool = False, **sampling) -> list[str]:
@@ -31,7 +42,6 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, b
     is partitioned over the ranks (ZeRO-3), so every rank generates in step with the others, the same number of
     batches (a rank with fewer prompts generates for a dummy one meanwhile) and until the last rank's batch ends."""
     model.eval()
-    stops, pad = stop_ids(model), tokenizer.pad_token_id
     device = next(model.parameters()).device
     batches = -(-len(prompts) // batch_size)
     if synced:
@@ -41,13 +51,9 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, b
     responses = []
     for i in range(0, batches * batch_size, batch_size):
         batch = prompts[i:i + batch_size] or [[{"role": "user", "content": ""}]]  # a dummy in step with the others
-        ids, attention = left_pad([prompt_ids(tokenizer, p) for p in batch], pad)
-        T = ids.shape[1]
-        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                             max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
-                             eos_token_id=list(stops), use_cache=True, synced_gpus=synced, **sampling,
-                             **no_router_loss(model))
-        for row in out[:, T:].tolist()[:len(prompts[i:i + batch_size])]:
+        out, attention, stops = generate_ids(model, tokenizer, batch, synced, max_new_tokens=max_new_tokens,
+                                             do_sample=do_sample, **sampling)
+        for row in out[:, attention.shape[1]:].tolist()[:len(prompts[i:i + batch_size])]:
             cut = next((k for k, t in enumerate(row) if t in stops), len(row))
             responses.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
     return responses
@@ -167,16 +173,11 @@ def sample_responses(model, tokenizer, prompts: list[list[dict]], max_new_tokens
                      synced: bool = False) -> list[list[int]]:
     """One sampled response per prompt (temperature 1, one batch seeded by `seed`), as token ids up to and
     including the first stop token."""
-    ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
-    device = next(model.parameters()).device
-    stops = stop_ids(model)
     torch.manual_seed(seed)
-    out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=True,
-                         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=list(stops), synced_gpus=synced,
-                         **no_router_loss(model))
+    out, attention, stops = generate_ids(model, tokenizer, prompts, synced, do_sample=True, temperature=1.0, top_k=0,
+                                         top_p=1.0, max_new_tokens=max_new_tokens)
     responses = []
-    for row in out[:, ids.shape[1]:].tolist():
+    for row in out[:, attention.shape[1]:].tolist():
         cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
         responses.append(row[:cut])
     return responses

@@ -27,12 +27,12 @@ from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
 from gptforge.data import loaders
-from gptforge.data.chat import ChosenRows, left_pad, positions, prompt_ids
+from gptforge.data.chat import ChosenRows, positions
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap
-from gptforge.model.evaluate import no_router_loss, policy_and_judge, reward_scores, stop_ids, verify
+from gptforge.model.evaluate import generate_ids, policy_and_judge, reward_scores, verify
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
@@ -48,18 +48,14 @@ def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
     """Sample one response per prompt (the sampling settings of the online section `oc`). Returns sequences
     (B, P+R), attention (B, P+R), the response mask (B, R: 1 up to and including the first stop token) and the
     prompt length P."""
-    ids, attention = left_pad([prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
-    stops = stop_ids(actor)
-    out = actor.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=True,
-                         temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
-                         max_new_tokens=oc.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=list(stops), use_cache=True, synced_gpus=synced, **no_router_loss(actor))
-    P = ids.shape[1]
+    out, attention, stops = generate_ids(actor, tokenizer, prompts, synced, do_sample=True, temperature=oc.temperature,
+                                         top_k=oc.top_k, top_p=oc.top_p, max_new_tokens=oc.max_new_tokens)
+    P = attention.shape[1]
     response = out[:, P:]
     is_stop = torch.isin(response, torch.tensor(list(stops), device=device))
     after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0  # strictly after the first stop token
     resp_mask = (~after_stop).long()
-    return out, torch.cat([attention.to(device), resp_mask], 1), resp_mask, P
+    return out, torch.cat([attention, resp_mask], 1), resp_mask, P
 
 
 def policy_logprobs(model, seqs, attention, P: int, aux: bool = False):
