@@ -30,7 +30,7 @@ STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a resu
 CODE_VERSIONS = {"tokenize": 2}  # tokenize 2: streamed in units, shards format 2 (index with counts and max id)
 EVALUATED = ("sft", *ALGORITHMS)  # the stages followed by an evaluation step
 UPSTREAM = {"tokenize": (), "pretrain": ("tokenize",), "sft": ("pretrain",), "reward": ("sft",),
-            **{a: ("sft", "reward") for a in ALGORITHMS},
+            "dpo": ("sft",), **{a: ("sft", "reward") for a in ALGORITHMS if a != "dpo"},  # DPO needs no reward model
             "eval-sft": ("sft", "pretrain"), **{f"eval-{a}": (a, "sft", "reward") for a in ALGORITHMS}}
 # The data source (a `data.<name>` field) each stage reads, if any.
 DATA_OF = {"tokenize": "pretrain", "sft": "sft", "reward": "preference", **{a: "preference" for a in ALGORITHMS}}

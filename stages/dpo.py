@@ -3,7 +3,7 @@ model as reference, under DeepSpeed ZeRO (accelerate launch).
 
     gptforge stage dpo -c configs/tiny.yaml      (finds its inputs and output in the stage store)
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.dpo \\
-        --config CONFIG --out DIR --input sft=DIR --input reward=DIR
+        --config CONFIG --out DIR --input sft=DIR
 
 `preference.dpo.loss_type` selects any loss TRL implements (sigmoid, ipo, hinge, robust, ...) or a list of
 them ([sigmoid, sft] is RPO). The held-out report is the evaluation step's (gptforge.stages.evaluate).
@@ -18,7 +18,6 @@ from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
-from gptforge.model.evaluate import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
 from gptforge.stages.cli import main
@@ -36,12 +35,13 @@ def as_dataset(pairs: list[dict]):
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     pc, dist = cfg.preference, cfg.distributed
     rank, world, _ = setup_distributed()
-    sft_dir, _, tokenizer, _ = policy_and_judge(inputs)
+    sft_dir = inputs["sft"] / "model"  # the policy and its reference; DPO needs no reward model
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     train = as_dataset(loaders.preference_pairs(cfg.data).train)
     loaders.require(len(train), pc.global_batch_size, "usable preference pairs", "preference.global_batch_size",
                     "data.preference")

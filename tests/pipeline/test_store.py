@@ -48,6 +48,8 @@ def test_each_algorithm_hashes_the_shared_fields_and_its_own():
         "grpo", "eval-grpo"]
     assert changed(base, fingerprints(load_config(TINY, [*every, "preference.beta=0.2"]))) == [
         "dpo", "eval-dpo", "ppo", "eval-ppo", "grpo", "eval-grpo", "rloo", "eval-rloo"]
+    assert changed(base, fingerprints(load_config(TINY, [*every, "reward.lr=1e-4"]))) == [  # DPO uses no reward model
+        "reward", "eval-dpo", "ppo", "eval-ppo", "grpo", "eval-grpo", "rloo", "eval-rloo"]
 
 
 def test_evaluation_settings_rerun_evaluation_only(small_cfg):
