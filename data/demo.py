@@ -194,7 +194,10 @@ def part_settings(which: str, demo) -> dict:
             **flaws}
 
 
-def from_settings(demo) -> DemoData:
-    """Generate from a `data.demo` config section."""
-    return generate(demo.seed, demo.pretrain_docs, demo.sft_items, demo.preference_pairs, demo.eval_items,
-                    demo.sft_flaws)
+def from_settings(demo, *parts: str) -> DemoData:
+    """Generate from a `data.demo` config section: every part, or only the parts named (pretrain, sft,
+    preference; the held-out items, `eval`, always). Each part is drawn with its own seed, so it is the same
+    whichever others are generated."""
+    want = set(parts or ("pretrain", "sft", "preference"))
+    return generate(demo.seed, demo.pretrain_docs if "pretrain" in want else 0, demo.sft_items if "sft" in want else 0,
+                    demo.preference_pairs if "preference" in want else 0, demo.eval_items, demo.sft_flaws)

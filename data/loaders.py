@@ -38,7 +38,7 @@ def _split(rows: Normalised) -> Split:
 def conversations(data_cfg) -> Split:
     """Chat conversations ({"messages": [...]}); demo validation uses the held-out items."""
     if kind_of(data_cfg.sft.path) == "demo":
-        d = demo.from_settings(data_cfg.demo)
+        d = demo.from_settings(data_cfg.demo, "sft")
         val = [{"messages": it["prompt"] + [{"role": "assistant", "content": it["answer"]}]} for it in d.eval]
         return Split(d.sft, val)
     return _split(_load(data_cfg.sft, data_cfg, to_messages, "chat"))
@@ -47,7 +47,7 @@ def conversations(data_cfg) -> Split:
 def preference_pairs(data_cfg) -> Split:
     """Preference pairs ({"prompt", "chosen", "rejected"}); demo validation uses the held-out items."""
     if kind_of(data_cfg.preference.path) == "demo":
-        d = demo.from_settings(data_cfg.demo)
+        d = demo.from_settings(data_cfg.demo, "preference")
         return Split(d.preference, d.preference_eval)
     return _split(_load(data_cfg.preference, data_cfg, to_pair, "preference"))
 
@@ -92,7 +92,7 @@ def eval_set(data_cfg, after: str) -> EvalSet:
     key, source = eval_source(data_cfg, after)
     where = f"{key}={source.path}"
     if kind_of(source.path) == "demo":
-        return EvalSet(demo.from_settings(data_cfg.demo).eval, where, demo=True)
+        return EvalSet(demo.from_settings(data_cfg.demo, "eval").eval, where, demo=True)
     if key == "data.eval":
         return EvalSet(_load(source, data_cfg, to_eval_item, "evaluation").items, where)
     if after == "sft":

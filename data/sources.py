@@ -182,7 +182,8 @@ def read_unit(unit: Unit, source, demo_settings=None) -> Iterator[Row]:
         return _read_hub(unit, source)
     from gptforge.data import demo
 
-    return (Row("demo", i + 1, doc) for i, doc in enumerate(demo.from_settings(demo_settings).pretrain))
+    docs = demo.from_settings(demo_settings, "pretrain").pretrain
+    return (Row("demo", i + 1, doc) for i, doc in enumerate(docs))
 
 
 def read_rows(source) -> Iterator[Row]:

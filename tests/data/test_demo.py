@@ -1,10 +1,22 @@
-from gptforge.data.demo import TASKS, generate, is_held_out, make_item
+from gptforge.core.config import DemoSection
+from gptforge.data.demo import TASKS, from_settings, generate, is_held_out, make_item
 
 
 def test_deterministic():
     a, b = generate(seed=3, pretrain_docs=500), generate(seed=3, pretrain_docs=500)
     assert a.pretrain == b.pretrain and a.sft == b.sft and a.preference == b.preference and a.eval == b.eval
     assert generate(seed=4, pretrain_docs=500).pretrain != a.pretrain
+
+
+def test_a_part_is_the_same_whichever_others_are_generated():
+    settings = DemoSection(pretrain_docs=300, sft_items=200, preference_pairs=100, eval_items=40, sft_flaws=0.25)
+    whole = from_settings(settings)
+    assert whole.pretrain and whole.sft and whole.preference and whole.eval
+    for part in ("pretrain", "sft", "preference", "eval"):
+        alone = from_settings(settings, part)
+        assert getattr(alone, part) == getattr(whole, part) and alone.eval == whole.eval
+        assert alone.preference_eval == whole.preference_eval
+        assert all(not getattr(alone, other) for other in ("pretrain", "sft", "preference") if other != part)
 
 
 def test_held_out_items_never_in_training_data():
