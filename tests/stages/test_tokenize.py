@@ -205,3 +205,26 @@ def test_the_prefiltered_scan_keeps_the_exact_sample(small_cfg, tmp_path, monkey
     monkeypatch.setattr(tokenize, "unit_bytes", lambda unit: None)
     _, reference = tokenize.scan(cfg, plan, reading, in_process, tmp_path / "b")
     assert filtered.texts() == reference.texts() and 39000 < filtered.size <= 40000
+
+
+def test_a_pretrained_tokenizer_encodes_every_document_whole(small_cfg, corpus, tmp_path):
+    """tokenizer.pretrained: a GPT-2-style byte-level BPE whose tokenizer.json carries truncation (as some on the hub
+    do): the shards hold every document whole, in the tokenizer's own ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path, docs = corpus
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.enable_truncation(8)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tmp_path / "gpt2-style")
+    cfg = small_cfg(f"data.pretrain={path}", f"tokenizer.pretrained={tmp_path / 'gpt2-style'}")
+    m = execute(cfg, "tokenize")["metrics"]
+    out_dir = locate(cfg, "tokenize")[0]
+    train, val = decode_split(out_dir, "train"), decode_split(out_dir, "val")
+    assert sorted(train + val) == sorted(docs)
+    tok.no_truncation()
+    assert m["tokens"] == sum(len(e.ids) + 1 for e in tok.encode_batch(docs, add_special_tokens=False))
