@@ -62,6 +62,15 @@ def return_freed_memory(threshold: int = 1 << 20) -> None:
     libc.mallopt(M_TRIM_THRESHOLD, threshold)
 
 
+def end_distributed() -> None:
+    """Leave the process group, once this process's stage has finished. Without this, gloo's worker threads
+    outlive the interpreter and a process that exits before its peers can abort at exit ("terminate called
+    without an active exception", exit -6), failing a stage that had finished (pytorch/pytorch#190489).
+    Called only after a stage succeeded: a rank that failed may have peers waiting in a collective."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def barrier() -> None:
     torch.distributed.barrier()
 

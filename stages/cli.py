@@ -85,6 +85,9 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
     try:
         inputs = dict(_input(item) for item in args.input)
         run_stage(run, load_config(args.config, args.set), inputs, args.out, stage)
+        from gptforge.model.distributed import end_distributed  # torch: only in a stage's processes
+
+        end_distributed()
     except OSError as e:
         error = storage_error(e)
         if error is None:
