@@ -32,20 +32,24 @@ def task_manager(include: list[str], defaults: bool = True):
     return TaskManager(include_path=[str(Path(p).resolve()) for p in include] or None, include_defaults=defaults)
 
 
-def check_tasks(eval_cfg) -> None:
-    """A UserError for each task name the harness does not know, naming the closest ones it does."""
+def check_tasks(eval_cfg):
+    """A UserError for each task name the harness does not know, naming the closest ones it does. Returns the task
+    manager it indexed the tasks with (for `run_harness`: the index takes seconds), or None if only the demo task
+    is named."""
     wanted = [t for t in eval_cfg.harness_tasks if t != DEMO_TASK]
     for folder in eval_cfg.harness_include:
         if not Path(folder).is_dir():
             raise UserError(f"eval.harness_include: {folder} is not a folder")
     if not wanted:
-        return
-    known = set(task_manager(eval_cfg.harness_include).all_tasks) | {DEMO_TASK}
+        return None
+    manager = task_manager(eval_cfg.harness_include)
+    known = set(manager.all_tasks) | {DEMO_TASK}
     for task in wanted:
         if task not in known:
             closest = difflib.get_close_matches(task, known, n=5, cutoff=0.6)
             raise UserError(f"eval.harness_tasks: lm-evaluation-harness has no task {task!r}"
                             + (f"; closest: {', '.join(closest)}" if closest else ""))
+    return manager
 
 
 def write_demo_task(items: list[dict], stop_strings: list[str], max_new_tokens: int, folder: Path) -> Path:
@@ -89,28 +93,30 @@ def scores(results: dict) -> dict[str, float]:
 
 
 def run_harness(model_dir: Path, eval_cfg, device: str, dtype: str, folder: Path, seed: int,
-                demo_items: list[dict] | None = None, stop_strings: list[str] | None = None) -> dict[str, float]:
+                demo_items: list[dict] | None = None, stop_strings: list[str] | None = None,
+                manager=None) -> dict[str, float]:
     """Run eval.harness_tasks on the model in `model_dir` (its chat template applied, as the stages prompt it);
     write the harness's results to folder/results.json and each example to folder/samples/<task>.jsonl; return
-    the scores (`scores`)."""
+    the scores (`scores`). `manager`: the task manager `check_tasks` returned, if any (else one is indexed)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    include = list(eval_cfg.harness_include)
-    if DEMO_TASK in eval_cfg.harness_tasks:
+    tasks = list(eval_cfg.harness_tasks)
+    if DEMO_TASK in tasks:
         if demo_items is None:
             raise UserError(f"eval.harness_tasks: {DEMO_TASK} is the demo's held-out items, and this run's "
                             "evaluation data is not the demo")
-        include.append(str(write_demo_task(demo_items, stop_strings or [], eval_cfg.max_new_tokens, folder)))
-    hub = any(t != DEMO_TASK for t in eval_cfg.harness_tasks)
+        demo = write_demo_task(demo_items, stop_strings or [], eval_cfg.max_new_tokens, folder)
+        tasks[tasks.index(DEMO_TASK)] = str((demo / f"{DEMO_TASK}.yaml").resolve())  # loaded by path: no index
+    if manager is None:
+        manager = task_manager(eval_cfg.harness_include, defaults=any(t != DEMO_TASK for t in tasks))
     lm = HFLM(pretrained=str(model_dir), device=device, dtype=dtype, batch_size=eval_cfg.batch_size)
     # The harness bounds generation by max_length (its max_gen_toks); the export's max_new_tokens would override it
     lm.model.generation_config.max_new_tokens = None
     results = simple_evaluate(
-        model=lm, tasks=list(eval_cfg.harness_tasks), num_fewshot=eval_cfg.harness_num_fewshot,
-        limit=eval_cfg.harness_limit, apply_chat_template=True,
-        task_manager=task_manager(include, defaults=hub), log_samples=True, random_seed=seed,
-        numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=0)
+        model=lm, tasks=tasks, num_fewshot=eval_cfg.harness_num_fewshot, limit=eval_cfg.harness_limit,
+        apply_chat_template=True, task_manager=manager, log_samples=True, random_seed=seed, numpy_random_seed=seed,
+        torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=0)
     (folder / "samples").mkdir(parents=True, exist_ok=True)
     for task, samples in results.get("samples", {}).items():  # each example's prompt, response and score
         with open(folder / "samples" / f"{task}.jsonl", "w") as f:

@@ -47,8 +47,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     rank, world, device = setup_distributed()
     policy = next((s for s in ALGORITHMS if s in inputs), None)
     harness = bool(cfg.eval.harness_tasks) and (policy or "sft") in cfg.eval.harness_stages
-    if harness:
-        check_tasks(cfg.eval)
+    manager = check_tasks(cfg.eval) if harness else None
     held_out = loaders.eval_set(cfg.data, policy or "sft")
     items = held_out.items[:cfg.eval.items]
     references = [it["answer"] for it in items]
@@ -103,7 +102,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             torch.cuda.empty_cache()
         if rank == 0:
             metrics |= run_harness(model_dir, cfg.eval, str(device), "bfloat16" if config.get("bf16") else "float32",
-                                   out_dir / OUTPUTS["harness"], cfg.run.seed, items if held_out.demo else None, stops)
+                                   out_dir / OUTPUTS["harness"], cfg.run.seed, items if held_out.demo else None, stops,
+                                   manager)
         barrier()
     return {**metrics, "eval_items": len(items)}
 

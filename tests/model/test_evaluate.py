@@ -93,10 +93,14 @@ def test_the_references_decide_which_metrics_are_computed():
         {"exact_match": 0.5, "rouge_l": pytest.approx((1 + 2 / 3) / 2)}
 
 
-def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(tokenizer, tmp_path):
+def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(tokenizer, tmp_path, monkeypatch):
     """lm-evaluation-harness on the demo task (a YAML over a local JSONL) gives the greedy answers of our own
-    generation, answer for answer, and their exact match."""
+    generation, answer for answer, and their exact match. Beside a task of the user's own (eval.harness_include),
+    the tasks are indexed once: the index `check_tasks` built serves the run."""
+    import yaml
+
     from gptforge.core.config import load_config
+    from gptforge.model import harness
     from tests.conftest import TINY
 
     model = policy(tokenizer, 3)
@@ -107,14 +111,24 @@ def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(to
              for i in range(10)]
     ours = answers(model, tokenizer, [it["prompt"] for it in items], 6, 4)
     items[4]["answer"] = ours[4]  # one right answer
-    cfg = load_config(TINY, ["eval.harness_tasks=[gptforge_demo]", "eval.max_new_tokens=6", "eval.batch_size=4"])
     stops = [tokenizer.decode([i]) for i in stop_ids(model)]
-    scores = run_harness(tmp_path, cfg.eval, "cpu", "float32", tmp_path / "harness", 0, items, stops)
+    mine = harness.write_demo_task(items, stops, 6, tmp_path / "mine")  # the user's task: the demo's, renamed
+    task = yaml.safe_load((mine / "gptforge_demo.yaml").read_text()) | {"task": "my_sums"}
+    (mine / "gptforge_demo.yaml").unlink()
+    (mine / "my_sums.yaml").write_text(yaml.safe_dump(task))
+    cfg = load_config(TINY, ["eval.harness_tasks=[gptforge_demo,my_sums]", f"eval.harness_include=[{mine}]",
+                             "eval.max_new_tokens=6", "eval.batch_size=4"])
+    indexed, index = [], harness.task_manager
+    monkeypatch.setattr(harness, "task_manager", lambda *a, **k: indexed.append(a) or index(*a, **k))
+    manager = harness.check_tasks(cfg.eval)
+    scores = run_harness(tmp_path, cfg.eval, "cpu", "float32", tmp_path / "harness", 0, items, stops, manager)
+    assert len(indexed) == 1
     samples = sorted((json.loads(line) for line in (tmp_path / "harness/samples/gptforge_demo.jsonl").open()),
                      key=lambda s: s["doc_id"])
     assert [s["filtered_resps"][0] for s in samples] == ours
     expected = score_references(ours, [it["answer"] for it in items], ["exact_match"])["exact_match"]
-    assert scores == {"harness/gptforge_demo/exact_match/strip": expected} and expected >= 0.1
+    assert scores == {"harness/gptforge_demo/exact_match/strip": expected,
+                      "harness/my_sums/exact_match/strip": expected} and expected >= 0.1
     assert (tmp_path / "harness" / "gptforge_demo.yaml").is_file()
 
 
