@@ -142,8 +142,9 @@ class WordCache:
         """The ids of chunks in neither generation: those that start a piece encoded together, as one text
         (each chunk's tokens found by the tokens' byte lengths), the others (a document's first chunk) one by
         one."""
-        joinable = [c for c in chunks if CUT.match(c)]
-        alone = [c for c in chunks if not CUT.match(c)]
+        joinable, alone = [], []
+        for c in chunks:
+            (joinable if CUT.match(c) else alone).append(c)
         out = {}
         if joinable:
             ids = self.plain(["".join(joinable)])[0]
