@@ -26,6 +26,8 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import psutil  # noqa: E402
+
 from gptforge.core.config import dump_config, load_config  # noqa: E402
 from gptforge.data.demo import generate  # noqa: E402
 from gptforge.pipeline.store import locate, read_manifest  # noqa: E402
@@ -95,23 +97,16 @@ def zipf_corpus(folder: Path, gb: float) -> list[Path]:
 
 def tree_pss(pid: int) -> int:
     """Proportional set size of a process and all its descendants, in bytes (shared pages counted once)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in tree:
         try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return total
 

@@ -116,27 +116,13 @@ def test_sigterm_kills_the_whole_stage_group(tmp_path):
         time.sleep(0.2)
 
 
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
+def alive(p) -> bool:
+    """Whether a psutil process still runs (the same process: not a reused pid) and is no zombie."""
+    import psutil
 
-
-def alive(pid: int) -> bool:
     try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -148,6 +134,8 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
     import signal
     import subprocess
     import time
+
+    import psutil
 
     from gptforge.pipeline.store import locate
     from tests.helpers import config
@@ -163,14 +151,14 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()[-3000:]
         time.sleep(0.5)
     time.sleep(3)
-    tree = descendants(proc.pid)
-    names = " ".join(Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace") for p in tree if alive(p))
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    names = " ".join(" ".join(p.cmdline()) for p in tree if alive(p))
     assert "gptforge.stages.pretrain" in names and "uvicorn" in names  # the ranks and the ephemeral server
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 60
     while [p for p in tree if alive(p)]:
-        assert time.time() < deadline, f"still alive: {[p for p in tree if alive(p)]}"
+        assert time.time() < deadline, f"still alive: {[p.pid for p in tree if alive(p)]}"
         time.sleep(0.5)
     log.close()
 
