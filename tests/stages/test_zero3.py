@@ -1,7 +1,14 @@
 """ZeRO-3 from load to export on a model large enough to measure (152M parameters): SFT on 2 processes loads the
-upstream model partitioned, so each rank's peak host memory stays below 0.65x of a ZeRO-0 run's (measured: 2.11
-against 3.36 GiB, 0.63x; in fp32 on the CPU the model states alone are 10 against 16 bytes a parameter, 0.625x),
-and exports it a parameter at a time into small safetensors shards that load as the model ZeRO-0 trained."""
+upstream model partitioned, and exports it a parameter at a time into small safetensors shards that load as the
+model ZeRO-0 trained.
+
+The memory check is on what ZeRO-3 saves. In fp32 the model states (weights, gradients, Adam's two moments) are 16
+bytes a parameter; over 2 ranks ZeRO-3 holds 8 of them, saving 8 bytes a parameter: twice the model's own fp32
+size. Each rank's peak must come out at least 1.5x that size below ZeRO-0's (measured: 3.44 against 2.19 GiB,
+1.25 GiB saved, 2.2x the 0.57 GiB model). A rank that held a whole copy of the weights beside its partitioned
+states (an export gathering the model at once, say) would save at most 1x and fail. A ratio of the two peaks
+would not do: the ~1 GiB each process holds besides the model states (libraries, data, activations) brings it
+within a hair of any threshold (0.637, where the states alone give 0.625)."""
 
 import json
 import os
@@ -73,8 +80,8 @@ def test_zero3_holds_a_partition_from_load_to_export(base):
     zero0, peak0 = sft(root, 0)
     zero3, peak3 = sft(root, 3, "model.max_shard_size=20MB")
     print(f"\n{n_params / 1e6:.1f}M parameters, peak host memory per rank (GiB): ZeRO-0 {peak0}, ZeRO-3 {peak3}, "
-          f"ratio {max(peak3) / max(peak0):.3f}")
-    assert max(peak3) < 0.65 * min(peak0)  # every ZeRO-3 rank below 0.65x of either ZeRO-0 rank
+          f"saved {min(peak0) - max(peak3):.3f} GiB, the fp32 model {n_params * 4 / 2**30:.3f} GiB")
+    assert min(peak0) - max(peak3) > 1.5 * n_params * 4 / 2**30  # every ZeRO-3 rank below either ZeRO-0 rank
 
     # The export: shards of at most 20 MB (a larger tensor alone in its own), an index naming every weight.
     model_dir = zero3 / "model"
