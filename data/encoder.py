@@ -118,13 +118,13 @@ class WordCache:
             for c in chunks:
                 ids = new.get(c)
                 if ids is None:
-                    ids = batch.get(c)
+                    ids = batch.get(c)  # learned in this batch (kept below)
+                if ids is None:  # in the older generation, or dropped when the cache turned over during this batch
+                    ids = old.get(c)
                     if ids is None:
-                        ids = old.get(c)
-                        if ids is None:  # dropped when the cache turned over during this batch
-                            ids = self.plain([c])[0].tobytes()
-                        self._keep(c, ids)  # in use again: into the newer generation
-                        new, old = self.new, self.old
+                        ids = self.plain([c])[0].tobytes()
+                    self._keep(c, ids)  # in use again: into the newer generation
+                    new, old = self.new, self.old
                 parts.append(ids)
             out.append(np.frombuffer(b"".join(parts), dtype=np.uint32))
         for c, ids in batch.items():
