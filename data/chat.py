@@ -25,6 +25,41 @@ class Encoded:
     truncated: int = 0
 
 
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as its chat template renders it, and the character span of each assistant turn: from the
+    end of the conversation before it rendered with the generation prompt (the assistant header) to where the
+    conversation rendered through that turn stops agreeing with the whole. Exact for every template that renders
+    a conversation's earlier turns as it renders them alone (a default system prompt, Llama 3's headers, ChatML,
+    Mistral's [INST] ...), generation markers or not; a template that does not is a DataError naming the turn."""
+    text = render(tokenizer, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = render(tokenizer, messages[:i], add_generation_prompt=True)
+        if not text.startswith(head):
+            raise DataError(f"the chat template renders the conversation before assistant turn {i} differently on its "
+                            "own than inside the whole conversation, so its assistant tokens cannot be found; "
+                            f"conversation starts {text[:80]!r}")
+        through = render(tokenizer, messages[:i + 1])
+        end = next((k for k, (a, b) in enumerate(zip(through, text)) if a != b), min(len(through), len(text)))
+        spans.append((len(head), end))
+    return text, spans
+
+
+def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(input_ids, mask): the conversation's tokens, as apply_chat_template tokenizes it, and 1 on every token of an
+    assistant turn (its content and the template's end of turn), 0 elsewhere."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s < b and e > a for a, b in spans)) for s, e in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
 def encode_conversations(tokenizer, conversations: list[dict], max_length: int, assistant_only: bool,
                          on_too_long: str) -> Encoded:
     """Chat-template each conversation; labels on assistant tokens only (or on all tokens).
@@ -35,9 +70,7 @@ def encode_conversations(tokenizer, conversations: list[dict], max_length: int, 
         if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
             out.skipped["no_assistant_turn"] += 1
             continue
-        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+        ids, mask = assistant_mask(tokenizer, messages)
         if len(ids) > max_length:
             if on_too_long == "skip" or not any(mask[:max_length]):
                 out.skipped["too_long"] += 1
@@ -49,17 +82,38 @@ def encode_conversations(tokenizer, conversations: list[dict], max_length: int, 
     return out
 
 
-def pack(examples: list[tuple[list[int], list[int]]], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """Concatenate consecutive examples into sequences of at most max_length tokens."""
-    packed, ids, labels = [], [], []
+def pack(examples: list[tuple[list[int], list[int]]], max_length: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """Consecutive examples concatenated into rows of at most max_length tokens: (input_ids, targets, position_ids),
+    each example's targets shifted within it (its last token predicts nothing of the next) and its positions
+    starting at 0, so that a packed row trains as its examples would one by one."""
+    packed, row = [], ([], [], [])
     for x, y in examples:
-        if ids and len(ids) + len(x) > max_length:
-            packed.append((ids, labels))
-            ids, labels = [], []
-        ids, labels = ids + x, labels + y
-    if ids:
-        packed.append((ids, labels))
+        if row[0] and len(row[0]) + len(x) > max_length:
+            packed.append(row)
+            row = ([], [], [])
+        row[0].extend(x)
+        row[1].extend(y[1:] + [IGNORE])
+        row[2].extend(range(len(x)))
+    if row[0]:
+        packed.append(row)
     return packed
+
+
+def model_batch(examples: list[tuple], pad_id: int) -> tuple[dict, torch.Tensor, int]:
+    """A training batch as the model takes it: (inputs, targets (B, T), tokens that are not padding). Plain rows
+    (input_ids, labels) are right-padded with an attention mask. Packed rows (`pack`) carry position ids that
+    restart at each example and no attention mask, the padding a segment of its own: transformers keeps the
+    segments apart from the position ids (varlen with FlashAttention, a block mask otherwise), which it does only
+    with no mask and no KV cache."""
+    if len(examples[0]) == 2:
+        x, a, y = collate(examples, pad_id)
+        return {"input_ids": x, "attention_mask": a}, y, int(a.sum())
+    ids = [torch.tensor(x) for x, _, _ in examples]
+    x = pad(ids, pad_id)
+    tail = x.shape[1] - torch.tensor([len(r) for r in ids])  # each row's padding restarts at position 0
+    positions = pad([torch.cat([torch.tensor(p), torch.arange(int(t))]) for (_, _, p), t in zip(examples, tail)], 0)
+    y = pad([torch.tensor(t) for _, t, _ in examples], IGNORE)
+    return {"input_ids": x, "position_ids": positions, "use_cache": False}, y, sum(len(r) for r in ids)
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int):

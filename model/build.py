@@ -37,6 +37,23 @@ def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | 
     return cfg
 
 
+def arch_of(config) -> Arch:
+    """The architecture fields of a transformers config (a pretrained model's), for FLOP and memory accounting."""
+    family = "gpt2" if config.model_type == "gpt2" else "mixtral" if getattr(config, "num_local_experts", None) \
+        else "llama"
+    return Arch(family, n_layer=config.num_hidden_layers, n_head=config.num_attention_heads,
+                n_embd=config.hidden_size, n_positions=context_of(config), vocab_size=config.vocab_size,
+                n_kv_head=getattr(config, "num_key_value_heads", None),
+                intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None),
+                n_experts=getattr(config, "num_local_experts", None),
+                experts_per_token=getattr(config, "num_experts_per_tok", None))
+
+
+def context_of(config) -> int:
+    """A transformers config's context length."""
+    return getattr(config, "n_positions", None) or config.max_position_embeddings
+
+
 def _llama_mlp(d: int) -> int:
     return 256 * math.ceil(int(8 * d / 3) / 256)
 

@@ -1,6 +1,6 @@
 """Step checkpoints with everything an exact resume needs: each DeepSpeed engine's weights, optimizer and
 scheduler (ZeRO shards as DeepSpeed writes them), the loop's own state (step, loader position) and every
-rank's RNG states.
+rank's RNG states. An adapter stage's checkpoints hold its adapters and their optimizer, not the frozen base.
 
 A checkpoint counts only once it is marked complete: `complete.json` lists every file with its size and sha256
 (each rank hashes its share). A checkpoint whose files do not match it is skipped, with a warning, for the one
@@ -113,7 +113,8 @@ def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, ran
     d = ckpt_root / tag_of(step)
     try:
         for name, engine in engines.items():
-            engine.save_checkpoint(str(d), tag=name, client_state=client_state)
+            # an adapter stage's frozen base is not saved: it is the stage's input, loaded again on resume
+            engine.save_checkpoint(str(d), tag=name, client_state=client_state, exclude_frozen_parameters=True)
         torch.save(rng_state(), d / f"rng-rank{rank}.pt")
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(d, ignore_errors=True)  # never marked complete: the previous checkpoint stays the newest
@@ -202,8 +203,10 @@ def resume(engines: dict, ckpt: Path | None, elastic: bool, rank: int, world: in
         to_universal(ckpt, engines, rank)
     with no_pickled_code():
         for name, engine in engines.items():
+            frozen = any(not p.requires_grad for p in engine.module.parameters())
             _, client_state = engine.load_checkpoint(str(ckpt), tag=f"{name}-universal" if elastic else name,
-                                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+                                                     load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                     load_module_strict=not frozen)
         if (ckpt / f"rng-rank{rank}.pt").is_file():
             set_rng_state(torch.load(ckpt / f"rng-rank{rank}.pt"))
     if rank == 0:

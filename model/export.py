@@ -29,21 +29,26 @@ def stop_token_ids(tokenizer) -> list[int]:
     return stops
 
 
-def save_tokenizer_and_generation_config(tokenizer, out: Path, context_length: int) -> None:
+def save_tokenizer_and_generation_config(tokenizer, out: Path, context_length: int,
+                                         model_stops: list[int] = ()) -> None:
     """The tokenizer (its model_max_length the model's context) and a generation config stopping at
-    `stop_token_ids(tokenizer)`."""
+    `stop_token_ids(tokenizer)` and at the model's own stop tokens (`model_stops`: a pretrained model's
+    generation_config, such as Llama 3's end of text and end of turn)."""
     from transformers import GenerationConfig
 
     tokenizer.model_max_length = context_length
     tokenizer.save_pretrained(out)
     # no length: callers bound generation themselves (lm-evaluation-harness by max_length, which a stored
     # max_new_tokens would override)
-    GenerationConfig(eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+    stops = list(dict.fromkeys([*stop_token_ids(tokenizer), *model_stops]))
+    GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id,
                      bos_token_id=tokenizer.bos_token_id).save_pretrained(out)
 
 
 def context_length(config) -> int:
-    return getattr(config, "n_positions", None) or config.max_position_embeddings
+    from gptforge.model.build import context_of
+
+    return context_of(config)
 
 
 def shard_plan(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
@@ -70,7 +75,8 @@ def saved_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) -> None:
-    """Write `model` (a transformers model, or the DeepSpeed engine holding one) as a Hugging Face directory:
+    """Write `model` (a transformers model, or the DeepSpeed engine holding one) as a Hugging Face directory (a
+    PEFT model: its adapter alone in `adapter/` beside `out`, then the model with the adapter merged in `out`):
     weights in safetensors shards of at most max_shard_size bytes (`model.safetensors`, or
     `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`), its config, the tokenizer and a
     generation config. Every process calls this. A ZeRO-3 partitioned parameter is gathered alone, written into
@@ -79,9 +85,15 @@ def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) ->
     import deepspeed
     from safetensors.torch import save_file
 
+    from gptforge.model.adapters import is_peft, merged, save_adapter
+    from gptforge.model.pretrained import stop_tokens_of
+
     if hasattr(model, "empty_partition_cache"):  # an engine: release what ZeRO-3 prefetched for a next step
         model.empty_partition_cache()
     model = getattr(model, "module", model)
+    if is_peft(model):  # an adapter stage: the adapter alone beside the model, then the model with it merged
+        save_adapter(model, out.parent / "adapter", rank)
+        model = merged(model)
     tensors = saved_tensors(model)
     sizes = [(k, getattr(t, "ds_numel", t.numel()) * t.element_size()) for k, t in tensors.items()]
     shards = shard_plan(sizes, max_shard_size)
@@ -107,7 +119,7 @@ def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) ->
     model.config.architectures = [type(model).__name__]  # as save_pretrained records them
     model.config.dtype = str(model.dtype).removeprefix("torch.")
     model.config.save_pretrained(out)
-    save_tokenizer_and_generation_config(tokenizer, out, context_length(model.config))
+    save_tokenizer_and_generation_config(tokenizer, out, context_length(model.config), stop_tokens_of(model))
 
 
 def export_trainer(trainer, tokenizer, out: Path, max_shard_size: int) -> None:

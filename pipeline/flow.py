@@ -18,6 +18,7 @@ from gptforge.core.config import PipelineConfig, dump_config, load_config
 from gptforge.core.errors import UserError
 from gptforge.pipeline.launch import run_stage
 from gptforge.model.harness import check_tasks
+from gptforge.model.pretrained import check_models
 from gptforge.model.tracking import pipeline_run
 from gptforge.pipeline.report import artifact_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps
@@ -70,6 +71,7 @@ def pipeline_flow(config: PipelineConfig = load_config(DEFAULT_CONFIG), from_sta
     stages = selected_stages(config, from_stage, only)
     if config.eval.harness_tasks:  # a misspelt task fails now, not after the training before its evaluation
         check_tasks(config.eval)
+    check_models(config)  # a model that cannot load, or adapters that match nothing, fail before any stage
     config = named_for_this_run(config)
     record = RunRecord(config)
     resolved = record.dir / "config.yaml"

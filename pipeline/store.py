@@ -18,10 +18,11 @@ import json
 import os
 from pathlib import Path
 
-from gptforge.core.config import ALGORITHMS, PipelineConfig, pipeline_stages, result_fields
+from gptforge.core.config import ALGORITHMS, PipelineConfig, pipeline_stages, result_fields, tokenizer_source
 from gptforge.core.errors import InputError
 from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.data.loaders import eval_fingerprint, source_fingerprint
+from gptforge.model import pretrained
 from gptforge.stages.cli import RESULT, run_stage
 
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
@@ -78,25 +79,52 @@ def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def lineage(step: str) -> list[str]:
+def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
+    """The steps whose outputs `step` reads. A pipeline that starts from model.pretrained without pretraining it
+    has no tokenize or pretrain step: sft (and eval-sft, for its base) read that model itself."""
+    ups = UPSTREAM[step]
+    return ups if cfg.pretrain.enabled else tuple(u for u in ups if u != "pretrain")
+
+
+def lineage(cfg: PipelineConfig, step: str) -> list[str]:
     """The step and everything upstream of it, upstream first."""
     order: list[str] = []
-    for up in UPSTREAM[step]:
-        order += [s for s in lineage(up) if s not in order]
+    for up in upstream(cfg, step):
+        order += [s for s in lineage(cfg, up) if s not in order]
     return order + [step]
+
+
+def base_model(cfg: PipelineConfig, step: str) -> dict | None:
+    """What identifies the pretrained model a step reads directly, if it reads one: tokenize its tokenizer
+    (tokenizer.pretrained, else model.pretrained's), pretrain model.pretrained, and sft and eval-sft that model
+    where nothing pretrains it; by its settings and its content (a hub name's resolved commit, a local directory's
+    files)."""
+    if step == "tokenize":
+        name, revision = tokenizer_source(cfg)
+        key = "tokenizer.pretrained" if cfg.tokenizer.pretrained else "model.pretrained"
+    elif step == "pretrain" or (step in ("sft", "eval-sft") and not cfg.pretrain.enabled):
+        name, revision, key = cfg.model.pretrained, cfg.model.revision, "model.pretrained"
+    else:
+        return None
+    if name is None:
+        return None
+    return {"model": result_fields(cfg.model) if key == "model.pretrained" else name,
+            "content": pretrained.fingerprint(name, revision, digest_cache(cfg), key)}
 
 
 def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[str, str]:
     """Fingerprint of each step (default: the pipeline's), its inputs' computed first."""
     out: dict[str, str] = {}
     for step in steps or pipeline_steps(cfg):
-        for s in lineage(step):
+        for s in lineage(cfg, step):
             if s not in out:
                 data = eval_fingerprint(cfg.data, s, digest_cache(cfg)) if s.startswith("eval-") else (
                     source_fingerprint(cfg.data, DATA_OF[s], digest_cache(cfg)) if s in DATA_OF else None)
-                out[s] = _hash({"stage": s, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(s, 1),
-                                "config": stage_config(cfg, s), "inputs": {up: out[up] for up in UPSTREAM[s]},
-                                "data": data})
+                identity = {"stage": s, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(s, 1),
+                            "config": stage_config(cfg, s), "inputs": {up: out[up] for up in upstream(cfg, s)},
+                            "data": data}
+                base = base_model(cfg, s)
+                out[s] = _hash(identity if base is None else {**identity, "base_model": base})
     return {s: out[s] for s in steps} if steps else out
 
 
@@ -111,8 +139,8 @@ def stage_dir(cfg: PipelineConfig, step: str, fingerprint: str) -> Path:
 
 def locate(cfg: PipelineConfig, step: str) -> tuple[Path, str, dict[str, tuple[Path, str]]]:
     """(output dir, fingerprint, {input step: (dir, fingerprint)}) of a step under this config."""
-    fps = fingerprints(cfg, lineage(step))
-    inputs = {up: (stage_dir(cfg, up, fps[up]), fps[up]) for up in UPSTREAM[step]}
+    fps = fingerprints(cfg, lineage(cfg, step))
+    inputs = {up: (stage_dir(cfg, up, fps[up]), fps[up]) for up in upstream(cfg, step)}
     return stage_dir(cfg, step, fps[step]), fps[step], inputs
 
 
@@ -161,7 +189,9 @@ def check_inputs(step: str, inputs: dict[str, tuple[Path, str]]) -> None:
 
 def complete(cfg: PipelineConfig, step: str, out_dir: Path, fingerprint: str, inputs: dict[str, tuple[Path, str]],
              outputs: dict[str, str], result: dict, started: str) -> dict:
-    """Record a finished step's output as complete: its manifest, written last and atomically."""
+    """Record a finished step's output as complete: its manifest, written last and atomically. Outputs a run does
+    not write (`adapter/` of a stage that trained full weights) are left out."""
+    outputs = {k: v for k, v in outputs.items() if (out_dir / v).exists()}
     manifest = {
         "stage": step, "fingerprint": fingerprint, "status": "complete", "config": cfg.model_dump(mode="json"),
         "inputs": {up: {"path": str(d), "fingerprint": fp} for up, (d, fp) in inputs.items()},

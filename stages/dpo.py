@@ -17,12 +17,15 @@ from pathlib import Path
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.model.checkpoints import no_pickled_code
+from gptforge.model.adapters import wrap
 from gptforge.model.distributed import barrier, setup_distributed
+from gptforge.model.engine import uses_bf16
 from gptforge.model.export import export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.model.pretrained import load_causal_lm
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model"}
+OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
 
 
 def as_dataset(pairs: list[dict]):
@@ -35,11 +38,11 @@ def as_dataset(pairs: list[dict]):
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     pc, dist = cfg.preference, cfg.distributed
-    rank, world, _ = setup_distributed()
+    rank, world, device = setup_distributed()
     sft_dir = inputs["sft"] / "model"  # the policy and its reference; DPO needs no reward model
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     train = as_dataset(loaders.preference_pairs(cfg.data).train)
@@ -50,7 +53,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     args = DPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
                      loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
     metrics = TrainerMetrics(out_dir / "logs")
-    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(sft_dir), ref_model=None, args=args,
+    policy = wrap(load_causal_lm(sft_dir, cfg.model, uses_bf16(dist, device), pc.lora), pc.lora, "causal-lm",
+                  "preference.lora", checkpointing=dist.activation_checkpointing)  # adapters: the reference is its base
+    trainer = DPOTrainer(model=policy, ref_model=None, args=args,
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():
         trainer.train(resume_from_checkpoint=resume_point(out_dir, "dpo", rank, world))

@@ -36,6 +36,7 @@ from gptforge.model.engine import frozen, inference_config, partitioned, unwrap
 from gptforge.model.evaluate import (answers, check_same_vocabulary, preference_report, reference_metrics,
                                      score_references, stop_ids)
 from gptforge.model.harness import check_tasks, run_harness
+from gptforge.model.pretrained import fit_embeddings, start_model
 from gptforge.stages.cli import main
 
 OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
@@ -63,16 +64,19 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
     loaded = []
 
-    def load(cls, path: Path):  # held as training holds it: on the device, in its precision, partitioned or not
+    def load(cls, path: Path, fit: bool = False):  # held as training holds it: on the device, in its precision
         with partitioned(config):
-            loaded.append(frozen(cls.from_pretrained(path), config, device))
+            model = cls.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+            if fit:  # a base whose vocabulary SFT grew (a chat template's tokens): new rows at the mean of the old
+                fit_embeddings(model, tokenizer)
+            loaded.append(frozen(model, config, device))
         return loaded[-1]
 
     model = load(AutoModelForCausalLM, model_dir)
     if policy is None:  # after SFT: the SFT model against the pretrained one, on reference answers
         prompts = [it["prompt"] for it in items]
         responses = answers(unwrap(model), tokenizer, prompts, cfg.eval.max_new_tokens, **split)
-        base = load(AutoModelForCausalLM, inputs["pretrain"] / "model")
+        base = load(AutoModelForCausalLM, start_model(cfg, inputs), fit=True)
         base_responses = answers(unwrap(base), tokenizer, prompts, cfg.eval.max_new_tokens, **split)
         metrics = {**score_references(responses, references, scored),
                    **{f"base_{k}": v for k, v in score_references(base_responses, references, scored).items()}}

@@ -19,22 +19,24 @@ from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows
 from gptforge.model.checkpoints import no_pickled_code
+from gptforge.model.adapters import wrap
 from gptforge.model.distributed import barrier, setup_distributed
+from gptforge.model.engine import uses_bf16
 from gptforge.model.evaluate import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.hf_trainer import (Checkpoints, TrainerMetrics, answered_dataset, online_rewards,
                                        positions_from_mask, resume_point, trainer_kwargs, with_ptx)
+from gptforge.model.pretrained import load_causal_lm
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model"}
+OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     pc, oc, dist = cfg.preference, cfg.preference.grpo, cfg.distributed
-    rank, world, _ = setup_distributed()
+    rank, world, device = setup_distributed()
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
     pairs = loaders.preference_pairs(cfg.data).train
     loaders.require(len(pairs), pc.global_batch_size // oc.num_generations, "preference pairs (prompts)",
@@ -51,7 +53,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                           rank, world, cfg.run.seed)
         trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
     metrics = TrainerMetrics(out_dir / "logs")
-    policy = positions_from_mask(AutoModelForCausalLM.from_pretrained(sft_dir))
+    policy = positions_from_mask(wrap(load_causal_lm(sft_dir, cfg.model, uses_bf16(dist, device), pc.lora), pc.lora,
+                                      "causal-lm", "preference.lora", checkpointing=dist.activation_checkpointing))
     trainer = trainer_cls(model=policy, args=args, train_dataset=answered_dataset(pairs), processing_class=tokenizer,
                           callbacks=[metrics, Checkpoints()], **rewards)
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs

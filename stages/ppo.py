@@ -1,6 +1,7 @@
 """PPO stage: RLHF with proximal policy optimisation, written in this project because TRL removed its
 PPO trainer. Actor initialised from SFT, critic from the reward model (its scalar head on every token),
-frozen reference (SFT) and reward models; actor and critic are DeepSpeed engines (ZeRO 0-3).
+frozen reference (SFT) and reward models; actor and critic are DeepSpeed engines (ZeRO 0-3), with full weights
+or LoRA adapters (`preference.lora`: then the reference is the actor with its adapters disabled).
 
     gptforge stage ppo -c configs/tiny.yaml --set preference.algorithm=ppo
     deepspeed --num_gpus 2 -m gptforge.stages.ppo --config CONFIG --out DIR --input sft=DIR --input reward=DIR
@@ -31,16 +32,18 @@ from gptforge.data.chat import ChosenRows, positions
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap
+from gptforge.model.adapters import disabled, quantization, wrap
+from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.evaluate import generate_ids, policy_and_judge, reward_scores, verify
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
+from gptforge.model.pretrained import load_causal_lm, load_dtype
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model"}
+OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
 
 
 @torch.no_grad()
@@ -73,7 +76,7 @@ def critic_values(critic, seqs, attention, P: int):
     return out[:, P - 1:-1, 0].float()
 
 
-def build_critic(reward_dir: Path, scale: float = 1.0):
+def build_critic(reward_dir: Path, scale: float = 1.0, **kwargs):
     """The reward model as a token-level value model: same backbone, its scalar head applied to every token,
     scaled by the reward model's weight in the reward, so that the first values are on the reward's scale.
     Inside `partitioned` (ZeRO-3) the critic loads partitioned and only its head is gathered to be set."""
@@ -82,7 +85,7 @@ def build_critic(reward_dir: Path, scale: float = 1.0):
 
     config = AutoConfig.from_pretrained(reward_dir, num_labels=1)
     config.classifier_dropout = 0.0  # transformers' token classifiers default to 0.1: the values would be noisy
-    critic = AutoModelForTokenClassification.from_pretrained(reward_dir, config=config)
+    critic = AutoModelForTokenClassification.from_pretrained(reward_dir, config=config, **kwargs)
     head = critic.classifier if critic.config.model_type == "gpt2" else critic.score  # transformers' naming
     params = [p for p in (head.weight, head.bias) if p is not None]
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=hasattr(head.weight, "ds_id")), \
@@ -125,10 +128,15 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     actor_config = deepspeed_config(dist, section, world, device, hidden)
     critic_config = deepspeed_config(dist, critic_section, world, device, hidden)
     torch.manual_seed(cfg.run.seed)
-    with partitioned(actor_config):  # ZeRO-3: all four models partitioned as they load
-        actor = AutoModelForCausalLM.from_pretrained(sft_dir)
-        critic = build_critic(reward_dir, oc.reward_model_weight)
-        ref = frozen(AutoModelForCausalLM.from_pretrained(sft_dir), actor_config, device)
+    bf16, lora = uses_bf16(dist, device), pc.lora
+    dtype = load_dtype(cfg.model.dtype, bf16)
+    with partitioned(actor_config):  # ZeRO-3: all models partitioned as they load
+        actor = wrap(load_causal_lm(sft_dir, cfg.model, bf16, lora), lora, "causal-lm", "preference.lora",
+                     checkpointing=dist.activation_checkpointing)
+        critic = wrap(build_critic(reward_dir, oc.reward_model_weight, dtype=dtype, **quantization(lora, dtype)),
+                      lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
+        # with adapters the reference is the actor with its adapters disabled: no second copy
+        ref = None if lora.r else frozen(AutoModelForCausalLM.from_pretrained(sft_dir), actor_config, device)
         reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(reward_dir), actor_config, device)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))
@@ -157,7 +165,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         gen_seconds = time.perf_counter() - t0
         with torch.no_grad():
             old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P)
-            ref_logp, _ = policy_logprobs(ref, seqs, attention, P)
+            with disabled(actor_engine):
+                ref_logp, _ = policy_logprobs(actor_engine if ref is None else ref, seqs, attention, P)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
             rm_score = torch.tensor(reward_scores(reward_model, tokenizer, batch, texts), device=device)

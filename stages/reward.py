@@ -5,7 +5,8 @@ with the pairwise Bradley-Terry loss (optional margin and reward centering), und
     deepspeed --num_gpus 2 -m gptforge.stages.reward --config CONFIG --out DIR --input sft=DIR
 
 Our own loop rather than TRL's RewardTrainer, for the same reason as SFT: one exact-resume mechanism
-across stages. Exported as a Hugging Face sequence-classification directory (one label).
+across stages. Full weights or LoRA adapters (`reward.lora`; the head is trained in full). Exported as a Hugging
+Face sequence-classification directory (one label).
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ from gptforge.data.chat import collate, encode_pairs
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap
+from gptforge.model.adapters import quantization, wrap
+from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.evaluate import generate
 from gptforge.model.export import export_model
 from gptforge.model.losses import pairwise_reward_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
+from gptforge.model.pretrained import load_dtype
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model"}
+OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
 
 
 def rewards(engine, pairs: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +115,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
               f"truncated {train.truncated}", flush=True)
 
     torch.manual_seed(cfg.run.seed)
+    dtype = load_dtype(cfg.model.dtype, uses_bf16(dist, device))
     with partitioned(ds_config):
-        model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1)
+        model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=dtype,
+                                                                   **quantization(rc.lora, dtype))
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    model = wrap(model, rc.lora, "sequence-classifier", "reward.lora", checkpointing=dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, rc, dist, elastic,
                                                 partial(stage_verdict, cfg, rc, world, device, len(tokenizer)))

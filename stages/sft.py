@@ -5,7 +5,12 @@
 
 The loop is our own rather than TRL's SFTTrainer so that every training stage shares one exact-resume
 mechanism (step checkpoints with loader position and RNG states, see model.train) and one launcher
-story; the loss is assistant-only by default (the chat template's generation markers), packing optional.
+story; the loss is assistant-only by default (the assistant turns found through the model's own chat
+template, gptforge.data.chat.assistant_mask), packing optional (conversations kept apart by their position ids).
+It starts from the pretrain stage's model (`--input pretrain=DIR`) or, without that input, from
+`model.pretrained`, with full weights or LoRA adapters (`sft.lora`, gptforge.model.adapters). A model without a
+chat template or pad token gets them here (gptforge.model.pretrained.prepare_tokenizer), its embeddings grown to
+the new tokens.
 Validation: the loss on held-out conversations, before training (`base_val_loss`) and after (`val_loss`).
 Generation on held-out items is the evaluation step's (gptforge.stages.evaluate), over the finished output.
 """
@@ -22,18 +27,20 @@ from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
-from gptforge.data.chat import collate, encode_conversations, pack
+from gptforge.data.chat import collate, encode_conversations, model_batch, pack
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned
+from gptforge.model.adapters import wrap
+from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
 from gptforge.model.export import export_model
 from gptforge.model.losses import causal_lm_loss, router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
+from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model"}
+OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
 
 
 @torch.no_grad()
@@ -54,12 +61,13 @@ def val_loss(engine, examples, micro_batch: int, pad_id: int, rank: int, world: 
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     sc, dist = cfg.sft, cfg.distributed
     rank, world, device = setup_distributed()
-    base_dir = inputs["pretrain"] / "model"
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    base_dir = start_model(cfg, inputs)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir, trust_remote_code=cfg.model.trust_remote_code)
+    added = prepare_tokenizer(tokenizer, sc.chat_template)
     data = loaders.conversations(cfg.data)
     train = encode_conversations(tokenizer, data.train, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     val = encode_conversations(tokenizer, data.val, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
@@ -74,9 +82,15 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     torch.manual_seed(cfg.run.seed)
     ds_config = deepspeed_config(dist, sc, world, device, AutoConfig.from_pretrained(base_dir).hidden_size)
     with partitioned(ds_config):  # ZeRO-3: each rank holds its partition from the start
-        model = AutoModelForCausalLM.from_pretrained(base_dir)
+        model = load_causal_lm(base_dir, cfg.model, uses_bf16(dist, device), lora=sc.lora)
+        grown = fit_embeddings(model, tokenizer)
+    if rank == 0 and added:
+        print(f"[sft] added {added} to the tokenizer" + (", embeddings grown" if grown else ""), flush=True)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    learned = [t for t in added if t != tokenizer.pad_token]  # the template's new tokens: the pad is never predicted
+    model = wrap(model, sc.lora, "causal-lm", "sft.lora", tokenizer.convert_tokens_to_ids(learned),
+                 dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, sc, dist, elastic,
                                                 partial(stage_verdict, cfg, sc, world, device, len(tokenizer)))
@@ -95,14 +109,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     while step < sc.max_steps:
         t0, step_loss, step_aux, step_tokens = time.perf_counter(), 0.0, 0.0, 0
         for _ in range(grad_accum):
-            x, a, y = collate([examples[i] for i in order.next_ids()], tokenizer.pad_token_id)  # (B, T) each
-            out = engine(input_ids=x.to(device), attention_mask=a.to(device))
+            inputs, y, tokens = model_batch([examples[i] for i in order.next_ids()], tokenizer.pad_token_id)
+            out = engine(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()})  # (B, T, V)
             loss, aux = causal_lm_loss(out.logits, y.to(device)), router_loss(out, engine.module.config)
             engine.backward(loss if aux is None else loss + aux)
             engine.step()
             step_loss += loss.item() / grad_accum
             step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
-            step_tokens += int(a.sum())
+            step_tokens += tokens
         step += 1
         throughput.step(time.perf_counter() - t0, step_tokens)
         bar.update(1)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from gptforge.core.config import PipelineConfig
+from gptforge.core.config import PipelineConfig, tokenizer_source
 from gptforge.core.errors import DataError
 from gptforge.core.files import write_json_atomic
 from gptforge.data.corpus import Encoding, Reading, Sample, Scan, encode_unit, scan_unit
@@ -35,6 +35,7 @@ from gptforge.data.parallel import engine
 from gptforge.data.shards import dtype_for, entropy, write_index
 from gptforge.data.sources import Unit, unit_bytes, units
 from gptforge.data.tokenizer import load_pretrained, save_hf, train_bpe
+from gptforge.model.pretrained import model_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = {"tokenizer": "tokenizer", "shards": "shards"}
@@ -50,7 +51,7 @@ def scan(cfg: PipelineConfig, plan: list[Unit], reading: Reading, run_units,
     below a fraction q of the key range, twice the sample's share of the corpus's known bytes; the merged sample
     is exact when it ends below q (it almost always does), and is scanned again with q doubled when not."""
     tc = cfg.tokenizer
-    trained = (done_dir.parent / "tokenizer" / "tokenizer.json").is_file() or tc.pretrained
+    trained = (done_dir.parent / "tokenizer" / "tokenizer.json").is_file() or tokenizer_source(cfg)[0]
     budget = 0 if trained else tc.train_sample_bytes
     sizes = [unit_bytes(u) for u in plan]
     q = 1.0 if None in sizes or not budget else min(1.0, 2 * budget / max(sum(sizes), 1))
@@ -101,8 +102,10 @@ def report_bad_rows(cfg: PipelineConfig, plan: list[Unit], scans: list[Scan]) ->
 def tokenizer(cfg: PipelineConfig, sample: Sample, tok_dir: Path):
     """Train the BPE on the sample (kept in tok_dir: a resumed stage loads it), or load the pretrained one."""
     tc = cfg.tokenizer
-    if tc.pretrained:
-        return load_pretrained(tc.pretrained, tok_dir)
+    name, revision = tokenizer_source(cfg)  # tokenizer.pretrained, else model.pretrained's own
+    if name:
+        key = "tokenizer.pretrained" if tc.pretrained else "model.pretrained"
+        return load_pretrained(str(model_dir(name, revision, key)), tok_dir)
     if not (tok_dir / "tokenizer.json").is_file():
         t0 = time.perf_counter()
         texts = sample.texts()

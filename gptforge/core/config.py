@@ -157,6 +157,15 @@ def size_in_bytes(size: str | int) -> int:
 
 
 class ModelSection(Section):
+    pretrained: str | None = Setting(None, description="Start from this Hugging Face model (a hub name or a local "
+                                     "directory) instead of a preset: architecture, weights and tokenizer are its own.")
+    revision: str | None = Setting(None, description="Hub revision (branch, tag or commit) of model.pretrained; None: "
+                                   "main, resolved to its commit at every run (a new upload retrains).")
+    trust_remote_code: bool = Setting(False, description="Allow a model.pretrained that needs its own modelling code "
+                                      "(runs code from the model's repository).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Setting(
+        "auto", description="dtype model.pretrained loads in; auto: the training precision (bf16 on GPUs, fp32 on the "
+        "CPU).")
     preset: str = Setting("tiny", description="Architecture preset (gptforge/core/presets.py): tiny, gpt2-124m..1.5b, "
                           "gpt3-small..175b, llama-tiny..7b; mixture of experts: moe-tiny, moe-1b, mixtral-8x7b.")
     n_layer: int | None = Setting(None, ge=1, description="Override the preset's number of layers.")
@@ -186,7 +195,10 @@ class ModelSection(Section):
         return size_in_bytes(self.max_shard_size)
 
     def name(self) -> str:
-        """The preset's name, with the overrides when there are any: `gpt3-175b (n_layer=48)`."""
+        """The pretrained model's name, or the preset's with the overrides when there are any: `gpt3-175b
+        (n_layer=48)`."""
+        if self.pretrained:
+            return self.pretrained + (f"@{self.revision}" if self.revision else "")
         changed = [f"{k}={getattr(self, k)}" for k in self.OVERRIDES if getattr(self, k) is not None]
         return f"{self.preset} ({', '.join(changed)})" if changed else self.preset
 
@@ -251,6 +263,27 @@ class DistributedSection(Section):
         return self.nproc_per_node * self.nnodes
 
 
+class LoraSection(Section):
+    """LoRA / QLoRA adapters (PEFT) of a training stage; r=0 trains the full weights."""
+
+    r: int = Setting(0, ge=0, description="Adapter rank; 0: full fine-tuning (no adapters).")
+    alpha: float = Setting(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha/r.")
+    dropout: float = Setting(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: str | list[str] = Setting("all-linear", description="Modules adapted: all-linear (every linear "
+                                              "layer but the output head), or a list of module names (q_proj, ...).")
+    modules_to_save: list[str] = Setting([], description="Modules trained in full beside the adapters (a reward "
+                                         "model's head is always).")
+    quantize: Literal[None, 4, 8] = Setting(None, description="QLoRA: load the frozen base in 4 or 8 bits "
+                                            "(bitsandbytes, GPUs only).")
+
+    @model_validator(mode="after")
+    def _quantize_needs_lora(self):
+        if self.quantize and not self.r:
+            raise ValueError(f"quantize={self.quantize} needs adapters: set r > 0 (a quantized base trains through "
+                             "LoRA only)")
+        return self
+
+
 class TrainSection(Section):
     enabled: bool = Setting(True, same_result=True, description="Run this stage.")
     lr: float = Setting(1e-3, gt=0, description="Peak learning rate (AdamW).")
@@ -265,6 +298,7 @@ class TrainSection(Section):
     eval_every: int = Setting(100, ge=1, same_result=True, description="Steps between evaluations.")
     save_every: int = Setting(100, ge=1, same_result=True, description="Steps between step checkpoints.")
     keep_last: int = Setting(2, ge=1, same_result=True, description="Step checkpoints kept.")
+    lora: LoraSection = Setting(default_factory=LoraSection, description="LoRA/QLoRA adapters (r=0: full weights).")
 
 
 class PretrainSection(TrainSection):
@@ -278,7 +312,10 @@ class SFTSection(TrainSection):
     lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
     max_length: int = Setting(96, ge=8, description="Maximum tokens per conversation.")
     assistant_only_loss: bool = Setting(True, description="Loss on assistant tokens only (else the full sequence).")
-    packing: bool = Setting(False, description="Pack several conversations into each sequence.")
+    packing: bool = Setting(False, description="Pack several conversations into each sequence; positions restart and "
+                            "attention stays within each conversation.")
+    chat_template: str | None = Setting(None, description="Jinja chat template for a model that has none (None: "
+                                        "ChatML, its special tokens added to the vocabulary); a model's own is kept.")
     on_too_long: Literal["skip", "truncate"] = Setting("skip", description="What to do with examples over max_length.")
 
 
@@ -411,8 +448,13 @@ class PipelineConfig(Section):
             if s.enabled and s.global_batch_size % per_step:
                 raise ValueError(f"{name}.global_batch_size={s.global_batch_size} is not divisible by "
                                  f"micro_batch_size*world_size = {s.micro_batch_size}*{world}")
-        chain = [("pretrain", self.pretrain), ("sft", self.sft), ("reward", self.reward),
-                 ("preference", self.preference)]
+        if self.sft.enabled and not self.pretrain.enabled and not self.model.pretrained:
+            raise ValueError("pretrain.enabled is false and model.pretrained is not set: sft has no model to start "
+                             "from; set model.pretrained (a hub name or a local Hugging Face directory) or "
+                             "pretrain.enabled=true")
+        chain = [("sft", self.sft), ("reward", self.reward), ("preference", self.preference)]
+        if not self.model.pretrained:
+            chain.insert(0, ("pretrain", self.pretrain))
         for (up, up_s), (down, down_s) in zip(chain, chain[1:]):
             if down_s.enabled and not up_s.enabled:
                 raise ValueError(f"{down}.enabled is true but its input stage {up} is disabled ({up}.enabled=false)")
@@ -431,7 +473,14 @@ class PipelineConfig(Section):
         if self.reward.enabled and self.reward.policy_samples and self.data.preference.path != "demo":
             raise ValueError(f"reward.policy_samples needs data.preference: demo (the verifier knows the demo's "
                              f"answers), not {self.data.preference.path!r}; set it to 0")
-        if self.pretrain.seq_len > self.model.arch().n_positions:
+        for name in ("pretrain", "sft", "reward", "preference"):
+            if getattr(self, name).lora.quantize:
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise ValueError(f"{name}.lora.quantize={getattr(self, name).lora.quantize} loads the base "
+                                     "through bitsandbytes, which needs a GPU; there is none here: set it to null")
+        if not self.model.pretrained and self.pretrain.seq_len > self.model.arch().n_positions:
             raise ValueError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds the model context "
                              f"n_positions={self.model.arch().n_positions}")
         return self
@@ -533,11 +582,20 @@ def dump_config(cfg: PipelineConfig) -> str:
 
 
 def pipeline_stages(cfg: PipelineConfig) -> list[str]:
-    """Stage names in order, the preference stage named after each algorithm; disabled stages left out."""
-    names = ["tokenize"]
+    """Stage names in order, the preference stage named after each algorithm; disabled stages left out (and
+    tokenize too when the pipeline starts from model.pretrained without pretraining it)."""
+    names = ["tokenize"] if cfg.pretrain.enabled or not cfg.model.pretrained else []
     for name in ("pretrain", "sft", "reward"):
         if getattr(cfg, name).enabled:
             names.append(name)
     if cfg.preference.enabled:
         names.extend(cfg.preference.algorithms())
     return names
+
+
+def tokenizer_source(cfg: PipelineConfig) -> tuple[str | None, str | None]:
+    """(name or directory, hub revision) of the pretrained tokenizer the tokenize stage loads: tokenizer.pretrained,
+    else model.pretrained's own; (None, None): a BPE is trained."""
+    if cfg.tokenizer.pretrained:
+        return cfg.tokenizer.pretrained, None
+    return cfg.model.pretrained, cfg.model.revision

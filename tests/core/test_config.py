@@ -1,7 +1,7 @@
 import pytest
 from pydantic import BaseModel
 
-from gptforge.core.config import PipelineConfig, Section, load_config, result_fields
+from gptforge.core.config import PipelineConfig, Section, load_config, pipeline_stages, result_fields, tokenizer_source
 from gptforge.core.errors import ConfigError
 from tests.conftest import ROOT, TINY
 
@@ -34,7 +34,11 @@ def test_wrong_type_names_the_key():
 @pytest.mark.parametrize("overrides, message", [
     (["model.n_embd=100", "model.n_head=3"], r"model: n_embd=100 is not divisible by n_head=3"),
     (["pretrain.global_batch_size=30"], r"global_batch_size=30 is not divisible"),
-    (["pretrain.enabled=false"], r"sft.enabled is true but its input stage pretrain is disabled"),
+    (["pretrain.enabled=false"], r"pretrain.enabled is false and model.pretrained is not set: sft has no model"),
+    (["sft.enabled=false"], r"reward.enabled is true but its input stage sft is disabled"),
+    (["sft.lora.quantize=4"], r"sft.lora: quantize=4 needs adapters: set r > 0"),
+    (["sft.lora.r=8", "sft.lora.quantize=4"], r"sft.lora.quantize=4 loads the base through bitsandbytes, which "
+     r"needs a GPU"),
     (["tokenizer.vocab_size=100"], r"vocab_size=100 is smaller than the byte alphabet"),
     (["pretrain.seq_len=4096"], r"exceeds the model context"),
     (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
@@ -49,6 +53,16 @@ def test_wrong_type_names_the_key():
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
+
+
+def test_a_pipeline_from_a_pretrained_model_without_pretraining_starts_at_sft():
+    cfg = load_config(TINY, ["model.pretrained=org/name", "pretrain.enabled=false"])
+    assert pipeline_stages(cfg)[:2] == ["sft", "reward"]
+    assert tokenizer_source(cfg) == ("org/name", None)
+    assert tokenizer_source(load_config(TINY, ["model.pretrained=org/name", "model.revision=v2"])) == ("org/name", "v2")
+    assert pipeline_stages(load_config(TINY, ["model.pretrained=org/name"]))[:2] == ["tokenize", "pretrain"]
+    assert tokenizer_source(load_config(TINY, ["model.pretrained=org/name", "tokenizer.pretrained=other"]))[0] == \
+        "other"
 
 
 def test_the_verifier_is_ignored_where_no_online_algorithm_runs():

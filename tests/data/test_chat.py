@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from gptforge.core.errors import DataError
-from gptforge.data.chat import (IGNORE, ChosenRows, collate, encode_conversations, encode_pairs, left_pad, pack,
-                                positions)
+from gptforge.data.chat import (IGNORE, ChosenRows, assistant_mask, collate, encode_conversations, encode_pairs,
+                                left_pad, pack, positions)
 from gptforge.data.tokenizer import save_hf, train_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -54,7 +54,21 @@ def test_skips_and_truncation_are_counted(tokenizer):
 
 def test_pack_fills_sequences():
     ex = [([1] * 3, [1] * 3), ([2] * 4, [2] * 4), ([3] * 2, [3] * 2)]
-    assert [len(x) for x, _ in pack(ex, 7)] == [7, 2]
+    rows = pack(ex, 7)
+    assert [len(x) for x, _, _ in rows] == [7, 2]
+    assert rows[0][2] == [0, 1, 2, 0, 1, 2, 3]  # positions restart at each example
+    assert rows[0][1] == [1, 1, IGNORE, 2, 2, 2, IGNORE]  # an example's last token predicts nothing of the next
+
+
+def test_the_prefix_mask_equals_the_generation_markers_mask(tokenizer):
+    """On a template with {% generation %} markers, the assistant tokens found from rendered prefixes are exactly
+    the ones the markers give, over multi-turn conversations with a system prompt."""
+    conv = [{"role": "system", "content": "no"}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "yes there"}, {"role": "user", "content": "no"},
+            {"role": "assistant", "content": "hello yes"}]
+    enc = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = assistant_mask(tokenizer, conv)
+    assert ids == list(enc["input_ids"]) and mask == list(enc["assistant_masks"]) and sum(mask) > 4
 
 
 def test_chosen_rows_train_on_the_chosen_response_only(tokenizer):

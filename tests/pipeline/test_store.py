@@ -27,6 +27,29 @@ def test_change_propagates_downstream_only(small_cfg):
     assert all(base[s] != tok[s] for s in base)
 
 
+def test_a_pretrained_model_is_fingerprinted_by_its_commit(small_cfg, tmp_path, monkeypatch):
+    """From a hub model without pretraining: no tokenize or pretrain step; a new upload (main moves to another
+    commit) changes sft and what follows, an unchanged one nothing; LoRA settings change the stage they are in."""
+    from tests import hub_models
+
+    cache = tmp_path / "hub"
+    hub_models.use_cache(monkeypatch, cache)
+    src = hub_models.save_model("qwen2", tmp_path / "qwen2")
+    hub_models.hub_cache(cache, "org/qwen2-tiny", src)
+    cfg = ("model.pretrained=org/qwen2-tiny", "pretrain.enabled=false")
+    base = fingerprints(small_cfg(*cfg))
+    assert list(base) == ["sft", "eval-sft", "reward", "dpo", "eval-dpo"]
+    assert changed(base, fingerprints(small_cfg(*cfg))) == []
+    hub_models.hub_cache(cache, "org/qwen2-tiny", src, commit="b" * 40)
+    assert changed(base, fingerprints(small_cfg(*cfg))) == list(base)
+    hub_models.hub_cache(cache, "org/qwen2-tiny", src)  # main back on the first commit
+    assert changed(base, fingerprints(small_cfg(*cfg, "reward.lora.r=8"))) == ["reward", "eval-dpo"]
+    assert changed(base, fingerprints(small_cfg(*cfg, "model.revision=" + "b" * 40))) == list(base)
+    pretraining = fingerprints(small_cfg("model.pretrained=org/qwen2-tiny"))  # continued pretraining: its tokenizer
+    assert list(pretraining)[:2] == ["tokenize", "pretrain"] and pretraining["tokenize"] != \
+        fingerprints(small_cfg())["tokenize"]
+
+
 @pytest.mark.parametrize("override", ["pretrain.log_every=50", "pretrain.eval_every=7", "pretrain.save_every=3",
                                       "pretrain.keep_last=5", "pretrain.compile=true", "sft.log_every=1",
                                       "preference.save_every=2", "tokenizer.num_workers=1", "distributed.zero_stage=3",

@@ -1,0 +1,229 @@
+"""Models gptforge did not build: a Hugging Face hub name or a local directory as the start of a stage.
+
+A hub name is resolved to a commit at every run (online: the hub's answer for the revision; offline, with
+HF_HUB_OFFLINE: the local cache's `refs/`), and that commit is what fingerprints it, so a new upload retrains and
+an unchanged one is reused. A local directory is fingerprinted by its files' bytes (digests cached like data
+files'). Loading by name is `snapshot_download` into the hub cache, then the same `from_pretrained(dir)` as a local
+directory. Before anything trains, `check_model` turns every way a model can be unusable into one error naming
+the key and what was looked for.
+
+A model's own tokenizer, chat template and stop tokens are used as they are; `prepare_tokenizer` gives a model
+without a chat template the configured one (ChatML by default, its special tokens added) and one without a pad
+token a pad of its own, and `fit_embeddings` grows the embeddings to the tokenizer (new rows at the mean of the
+old ones, gathered under ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from gptforge.core.errors import ConfigError, UserError
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+PAD = "<|pad|>"
+
+
+def is_local(name: str) -> bool:
+    """A local directory (or a path that means one), as opposed to a hub name `org/name`."""
+    return Path(name).expanduser().is_dir() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def resolve_commit(name: str, revision: str | None, key: str = "model.pretrained") -> str:
+    """The commit a hub model name reads at `revision` (default main): the hub's answer, or offline the cache's."""
+    if not offline():
+        from huggingface_hub import HfApi
+
+        try:
+            return HfApi().model_info(name, revision=revision).sha
+        except Exception as e:  # noqa: BLE001 - not found, gated, no network: all one message naming the model
+            raise UserError(f"{key}={name!r} at revision {revision or 'main'}: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    repo = Path(hub_cache()) / f"models--{name.replace('/', '--')}"
+    ref = repo / "refs" / (revision or "main")
+    if ref.is_file():
+        return ref.read_text().strip()
+    if revision and (repo / "snapshots" / revision).is_dir():
+        return revision
+    cached = sorted(p.name for p in (repo / "refs").glob("*")) if repo.is_dir() else []
+    raise UserError(f"{key}={name!r}: revision {revision or 'main'} is not in the hub cache {hub_cache()} and "
+                    f"HF_HUB_OFFLINE is set" + (f"; cached refs: {', '.join(cached)}" if cached else
+                                                 " (no copy of this model at all)"))
+
+
+def model_dir(name: str, revision: str | None = None, key: str = "model.pretrained") -> Path:
+    """The local directory of a model: the directory itself, or the hub snapshot of its resolved commit
+    (downloaded into the hub cache if it is not there)."""
+    if is_local(name):
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            raise UserError(f"{key}={name!r}: no such directory")
+        return path
+    from huggingface_hub import snapshot_download
+
+    commit = resolve_commit(name, revision, key)
+    try:
+        return Path(snapshot_download(name, revision=commit, local_files_only=offline()))
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"{key}={name!r} at commit {commit}: cannot fetch it into {hub_cache()}: "
+                        f"{type(e).__name__}") from None
+
+
+def fingerprint(name: str, revision: str | None, cache_dir: Path | None = None, key: str = "model.pretrained") -> str:
+    """What identifies a model's content: its hub name and resolved commit, or a local directory's file digests."""
+    if not is_local(name):
+        return f"hub:{name}@{resolve_commit(name, revision, key)}"
+    from gptforge.data.sources import file_digest
+
+    path = model_dir(name, revision, key)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        h.update(f"{f.relative_to(path)}|{file_digest(f, cache_dir)}".encode())
+    return f"local:{h.hexdigest()}"
+
+
+def check_model(name: str, revision: str | None, trust_remote_code: bool, key: str,
+                kind: str = "causal-lm") -> Path:
+    """The model's directory, once it is known to be loadable as `kind` (causal-lm or sequence-classifier): a
+    config transformers knows (or remote code allowed) and weights. Every failure is one UserError naming `key`."""
+    from transformers import CONFIG_MAPPING
+
+    path = model_dir(name, revision, key)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{key}={name!r}: {path} is not a Hugging Face model directory (no config.json)")
+    config = json.loads(config_file.read_text())
+    needs_code = "auto_map" in config or config.get("model_type") not in CONFIG_MAPPING
+    if needs_code and not trust_remote_code:
+        raise ConfigError(f"{key}={name!r} needs its own modelling code (model_type {config.get('model_type')!r}"
+                          f"{', auto_map' if 'auto_map' in config else ''}); set model.trust_remote_code=true to run "
+                          "code from that repository")
+    if not any((path / w).is_file() for w in WEIGHTS) and not list(path.glob("*.safetensors")):
+        raise UserError(f"{key}={name!r}: {path} holds no model weights (none of {', '.join(WEIGHTS)})")
+    architectures = config.get("architectures") or []
+    if kind == "sequence-classifier" and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise UserError(f"{key}={name!r} is not a sequence classifier (architectures: {architectures or 'none'}); "
+                        "a reward model scores a sequence: give an AutoModelForSequenceClassification checkpoint")
+    if kind == "causal-lm" and architectures and not any(
+            a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in architectures):
+        raise UserError(f"{key}={name!r} has no causal-LM weights (architectures: {architectures})")
+    return path
+
+
+def load_dtype(dtype: str, bf16: bool):
+    """The torch dtype a pretrained model loads in: model.dtype, or for auto the training precision."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_causal_lm(path: Path, model_cfg, bf16: bool, lora=None, **kwargs):
+    """AutoModelForCausalLM.from_pretrained as every stage loads a start model: in model.dtype, its base quantized
+    where `lora` (the stage's lora section) says so. Inside `partitioned` under ZeRO-3: loaded partitioned."""
+    from transformers import AutoModelForCausalLM
+
+    from gptforge.model.adapters import quantization
+
+    dtype = load_dtype(model_cfg.dtype, bf16)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code,
+                                                **(quantization(lora, dtype) if lora else {}), **kwargs)
+
+
+def start_model(cfg, inputs: dict[str, Path]) -> Path:
+    """The model SFT starts from (and eval-sft compares with): the pretrain stage's output when the pipeline
+    pretrains, else model.pretrained (a hub snapshot or a local directory)."""
+    if "pretrain" in inputs:
+        return inputs["pretrain"] / "model"
+    return model_dir(cfg.model.pretrained, cfg.model.revision)
+
+
+def has_generation_markers(template: str | None) -> bool:
+    import re
+
+    return bool(template) and re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+def prepare_tokenizer(tokenizer, chat_template: str | None = None) -> list[str]:
+    """Give a tokenizer what the chat stages need, in place: a chat template where it has none (`chat_template`,
+    default ChatML with its turn tokens added as special tokens) and a pad token where it has none: a special token
+    that no rendered conversation holds (so a reward model, which reads its score at the last token that is not
+    padding, and anything that masks padding, never confuse it with an end of turn), else a new `<|pad|>`.
+    Returns the tokens added to the vocabulary."""
+    before = len(tokenizer)
+    if not tokenizer.chat_template:
+        if chat_template is None:
+            tokenizer.add_special_tokens({"extra_special_tokens": list(CHATML_TOKENS)},
+                                         replace_extra_special_tokens=False)
+        tokenizer.chat_template = chat_template or CHATML
+    if tokenizer.pad_token_id is None:
+        sample = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        rendered = set(tokenizer.apply_chat_template(sample, tokenize=True, return_dict=True)["input_ids"])
+        special = sorted(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+        unused = [tokenizer.convert_ids_to_tokens(i) for i in special
+                  if i not in rendered and i not in (tokenizer.bos_token_id, tokenizer.eos_token_id)]
+        if unused:  # a special token no conversation holds (Llama 3's end of text): nothing to grow
+            tokenizer.pad_token = unused[0]
+        else:
+            tokenizer.add_special_tokens({"pad_token": PAD})
+    return tokenizer.convert_ids_to_tokens(list(range(before, len(tokenizer))))
+
+
+def fit_embeddings(model, tokenizer) -> bool:
+    """Grow the input (and output) embeddings to the tokenizer's size where it outgrew them: new rows at the mean of
+    the old ones (transformers' mean resizing, which gathers the partitions under ZeRO-3). True if it grew."""
+    rows = model.get_input_embeddings().weight
+    if len(tokenizer) <= getattr(rows, "ds_shape", rows.shape)[0]:
+        return False
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    return True
+
+
+def stop_tokens_of(model) -> list[int]:
+    """The model's own stop tokens (its generation_config's eos, a list such as Llama 3's), if it has any."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+
+def check_models(cfg) -> None:
+    """Every model the config starts from, checked before anything runs (`check_model`), and each training
+    section's lora.target_modules matched against the model's modules (on a model built without memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gptforge.model.adapters import targets
+    from gptforge.model.build import build_model
+
+    path = None
+    if cfg.model.pretrained:
+        path = check_model(cfg.model.pretrained, cfg.model.revision, cfg.model.trust_remote_code, "model.pretrained")
+    sections = [(n, getattr(cfg, n)) for n in ("pretrain", "sft", "reward", "preference")]
+    named = [(n, s.lora) for n, s in sections if s.enabled and s.lora.r and s.lora.target_modules != "all-linear"]
+    if not named:
+        return
+    with torch.device("meta"):
+        model = build_model(cfg.model.arch(), cfg.model.arch().vocab_size) if path is None else \
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+                path, trust_remote_code=cfg.model.trust_remote_code), trust_remote_code=cfg.model.trust_remote_code)
+    for name, lora in named:
+        targets(model, lora, f"{name}.lora")
