@@ -193,10 +193,12 @@ def win_rate(answers: list[str], other_answers: list[str], scores: list[float], 
 
 def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
-                      synced: bool = False, verifiable: bool = True) -> tuple[dict, list[str]]:
+                      synced: bool = False, verifiable: bool = True,
+                      reward_tokenizer=None) -> tuple[dict, list[str]]:
     """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
     SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
-    samples from the policy (nats per response), and on `verifiable` items (the demo's) the exact match of both;
+    samples from the policy (nats per response), and on `verifiable` items (the demo's) the exact match of both
+    (`reward_tokenizer`: the reward model's, where it is not the policy's);
     and the policy's greedy answers. Batched; each rank takes its share of the batches (`shares`), every rank gets
     the report; `synced`: the models are partitioned (ZeRO-3)."""
     records = []
@@ -205,7 +207,7 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
         prompts = [it["prompt"] for it in batch]
         answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced)
                    for name, model in (("policy", policy), ("sft", sft))}
-        scores = {name: reward_scores(reward_model, tokenizer, prompts, answers[name], batch_size)
+        scores = {name: reward_scores(reward_model, reward_tokenizer or tokenizer, prompts, answers[name], batch_size)
                   for name in answers}
         samples = sample_responses(policy, tokenizer, prompts, max_new_tokens, seed + (share or range(1))[0],
                                    synced)
@@ -232,11 +234,19 @@ def check_same_vocabulary(a, b, what: str) -> None:
                         "the policy, reference and reward model must share one tokenizer")
 
 
-def policy_and_judge(inputs: dict[str, Path]):
-    """The SFT model dir, the reward model dir and their tokenizers, checked to share one vocabulary."""
+def policy_and_judge(cfg, inputs: dict[str, Path]):
+    """The SFT model dir, the reward model dir (the reward stage's, or preference.reward_model) and their tokenizers.
+    They need not share a vocabulary: the reward model reads each response as text, through its own chat template
+    (as veRL bridges a policy and a reward model)."""
     from transformers import AutoTokenizer
 
-    sft_dir, reward_dir = inputs["sft"] / "model", inputs["reward"] / "model"
+    from gptforge.model.pretrained import prepare_tokenizer, reward_model_dir
+
+    sft_dir, reward_dir = inputs["sft"] / "model", reward_model_dir(cfg, inputs)
     tokenizer, reward_tokenizer = AutoTokenizer.from_pretrained(sft_dir), AutoTokenizer.from_pretrained(reward_dir)
-    check_same_vocabulary(tokenizer, reward_tokenizer, f"reward model {reward_dir}")
+    prepare_tokenizer(reward_tokenizer, grow=False)  # a ready reward model may have no template or pad of its own
     return sft_dir, reward_dir, tokenizer, reward_tokenizer
+
+
+def same_vocabulary(a, b) -> bool:
+    return a.get_vocab() == b.get_vocab()

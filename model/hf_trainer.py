@@ -137,6 +137,20 @@ def positions_from_mask(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def use_reference(trainer, path: Path) -> None:
+    """Make the model at `path` (preference.reference) the reference of a TRL GRPO or RLOO trainer, which otherwise
+    builds its own from the policy's start (or, with adapters, disables them): loaded (partitioned under ZeRO-3,
+    as the trainer's arguments set it up), given TRL's fused LM head and prepared as TRL prepares its own."""
+    from transformers import AutoModelForCausalLM
+    from trl.models.utils import prepare_deepspeed
+    from trl.trainer.utils import add_fused_lm_head
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype)
+    add_fused_lm_head(ref, temperature=trainer.temperature,
+                      cast_lm_head_to_fp32=getattr(trainer.args, "cast_lm_head_to_fp32", False))
+    trainer.ref_model = prepare_deepspeed(ref, trainer.accelerator)
+
+
 def with_ptx(trainer_cls, rows: ChosenRows, coef: float):
     """`trainer_cls` with coef * the loss of `rows` added to each micro-batch's policy loss: PPO-ptx
     (InstructGPT), for TRL's GRPO and RLOO. The update that picks the rows is counted from the optimizer step

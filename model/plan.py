@@ -90,19 +90,47 @@ class Plan:
                 + (self.live_parameters if zero_stage == 3 else 0))
 
 
+def adapter_params(model, lora) -> int:
+    """Parameters of LoRA adapters of rank lora.r on the model's targeted linear layers: r * (in + out) each."""
+    from gptforge.model.adapters import targets
+
+    names = set(targets(model, lora, "lora"))
+    return sum(lora.r * (m.in_features + m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] in names)
+
+
+def lora_state_bytes(n: int, adapters: int, largest_layer: int, zero_stage: int, gpus_per_node: int, nodes: int,
+                     offload: bool, base_bytes: float) -> tuple[float, float]:
+    """(bytes per GPU, host bytes per node) of a LoRA run: the frozen base at `base_bytes` a parameter (2 in bf16,
+    0.5 in 4 bits), partitioned only under ZeRO-3, plus the adapters' own weights, gradients and Adam states
+    counted as any trained parameters are."""
+    gpu, host = model_state_bytes(adapters, min(adapters, largest_layer), zero_stage, gpus_per_node, nodes, offload)
+    return gpu + base_bytes * n / (gpus_per_node * nodes if zero_stage == 3 else 1), host
+
+
 def make_plan(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, gpus: int, tokens: float | None = None,
-              peak_tflops: float = 989.0, mfu: float = 0.4, gpus_per_node: int = 8) -> Plan:
+              peak_tflops: float = 989.0, mfu: float = 0.4, gpus_per_node: int = 8, config=None,
+              lora=None) -> Plan:
     """The plan for `gpus` GPUs, gpus_per_node a node (fewer on one node). FLOPs and time count the active
-    parameters (a mixture of experts computes only its routed experts); memory counts them all."""
+    parameters (a mixture of experts computes only its routed experts); memory counts them all. `config`: a
+    pretrained model's transformers config, counted as that model is built; `lora`: a lora section with r > 0,
+    whose run holds the base frozen (in 16 bits, or lora.quantize bits) and trains only the adapters."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        model = build_model(arch, vocab_size)
+        model = build_model(arch, vocab_size) if config is None else AutoModelForCausalLM.from_config(config)
     n, active = parameter_counts(model)
     largest = largest_layer_params(model)
     per_node = min(gpus, gpus_per_node)
     nodes = -(-gpus // per_node)
     fpt = flops_per_token(active, arch, seq_len)
     tokens = tokens or TOKENS_PER_PARAM * n
-    memory = {(z, off): model_state_bytes(n, largest, z, per_node, nodes, off) for z, off in STAGES}
+    if lora is not None and lora.r:
+        adapters, base_bytes = adapter_params(model, lora), {None: 2, 8: 1, 4: 0.5}[lora.quantize]
+        memory = {(z, off): lora_state_bytes(n, adapters, largest, z, per_node, nodes, off, base_bytes)
+                  for z, off in STAGES}
+    else:
+        memory = {(z, off): model_state_bytes(n, largest, z, per_node, nodes, off) for z, off in STAGES}
     acts = {ckpt: activation_bytes(arch, vocab_size, seq_len, micro_batch, ckpt) for ckpt in (False, True)}
     days = fpt * tokens / (gpus * peak_tflops * 1e12 * mfu) / 86400
     return Plan(n, active, largest, fpt, TOKENS_PER_PARAM * n, fpt * tokens, memory, acts,

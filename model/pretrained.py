@@ -101,8 +101,9 @@ def fingerprint(name: str, revision: str | None, cache_dir: Path | None = None, 
 
 def check_model(name: str, revision: str | None, trust_remote_code: bool, key: str,
                 kind: str = "causal-lm") -> Path:
-    """The model's directory, once it is known to be loadable as `kind` (causal-lm or sequence-classifier): a
-    config transformers knows (or remote code allowed) and weights. Every failure is one UserError naming `key`."""
+    """The model's directory, once it is known to be loadable as `kind` (causal-lm, sequence-classifier, or any:
+    a backbone that gets a new head): a config transformers knows (or remote code allowed) and weights. Every
+    failure is one UserError naming `key`."""
     from transformers import CONFIG_MAPPING
 
     path = model_dir(name, revision, key)
@@ -156,13 +157,27 @@ def start_model(cfg, inputs: dict[str, Path]) -> Path:
     return model_dir(cfg.model.pretrained, cfg.model.revision)
 
 
+def reward_model_dir(cfg, inputs: dict[str, Path]) -> Path:
+    """The reward model that judges the policy: preference.reward_model, else the reward stage's output."""
+    if cfg.preference.reward_model:
+        return model_dir(cfg.preference.reward_model, None, "preference.reward_model")
+    return inputs["reward"] / "model"
+
+
+def reference_dir(cfg, inputs: dict[str, Path]) -> Path:
+    """The reference policy: preference.reference, else the SFT model."""
+    if cfg.preference.reference:
+        return model_dir(cfg.preference.reference, None, "preference.reference")
+    return inputs["sft"] / "model"
+
+
 def has_generation_markers(template: str | None) -> bool:
     import re
 
     return bool(template) and re.search(r"{%-?\s*generation\s*-?%}", template) is not None
 
 
-def prepare_tokenizer(tokenizer, chat_template: str | None = None) -> list[str]:
+def prepare_tokenizer(tokenizer, chat_template: str | None = None, grow: bool = True) -> list[str]:
     """Give a tokenizer what the chat stages need, in place: a chat template where it has none (`chat_template`,
     default ChatML with its turn tokens added as special tokens) and a pad token where it has none: a special token
     that no rendered conversation holds (so a reward model, which reads its score at the last token that is not
@@ -170,7 +185,7 @@ def prepare_tokenizer(tokenizer, chat_template: str | None = None) -> list[str]:
     Returns the tokens added to the vocabulary."""
     before = len(tokenizer)
     if not tokenizer.chat_template:
-        if chat_template is None:
+        if chat_template is None and grow:
             tokenizer.add_special_tokens({"extra_special_tokens": list(CHATML_TOKENS)},
                                          replace_extra_special_tokens=False)
         tokenizer.chat_template = chat_template or CHATML
@@ -182,6 +197,8 @@ def prepare_tokenizer(tokenizer, chat_template: str | None = None) -> list[str]:
                   if i not in rendered and i not in (tokenizer.bos_token_id, tokenizer.eos_token_id)]
         if unused:  # a special token no conversation holds (Llama 3's end of text): nothing to grow
             tokenizer.pad_token = unused[0]
+        elif not grow:
+            tokenizer.pad_token = tokenizer.eos_token
         else:
             tokenizer.add_special_tokens({"pad_token": PAD})
     return tokenizer.convert_ids_to_tokens(list(range(before, len(tokenizer))))
@@ -217,6 +234,13 @@ def check_models(cfg) -> None:
     path = None
     if cfg.model.pretrained:
         path = check_model(cfg.model.pretrained, cfg.model.revision, cfg.model.trust_remote_code, "model.pretrained")
+    pc = cfg.preference
+    roles = [("reward.pretrained", cfg.reward.pretrained, "any"), ("preference.reference", pc.reference, "causal-lm"),
+             ("preference.reward_model", pc.reward_model, "sequence-classifier"),
+             ("preference.ppo.critic", pc.ppo.critic, "any")]
+    for key, name, kind in roles:
+        if name:
+            check_model(name, None, cfg.model.trust_remote_code, key, kind)
     sections = [(n, getattr(cfg, n)) for n in ("pretrain", "sft", "reward", "preference")]
     named = [(n, s.lora) for n, s in sections if s.enabled and s.lora.r and s.lora.target_modules != "all-linear"]
     if not named:

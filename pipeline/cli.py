@@ -218,11 +218,25 @@ def cmd_plan(args) -> int:
     from gptforge.model.plan import make_plan, render
 
     cfg = load_config(args.config, args.set)
-    arch = cfg.model.arch()
-    seq_len = cfg.pretrain.seq_len if args.seq_len is None else args.seq_len
-    plan = make_plan(arch, args.vocab_size or arch.vocab_size, seq_len, cfg.pretrain.micro_batch_size, args.gpus,
-                     args.tokens, args.peak_tflops, args.mfu, args.gpus_per_node)
-    print(render(plan, cfg.model.name(), args.gpus, args.gpu_mem, seq_len, cfg.pretrain.micro_batch_size,
+    section = getattr(cfg, args.stage)
+    arch, config = cfg.model.arch(), None
+    if cfg.model.pretrained:  # its config.json: the architecture as it is built
+        from transformers import AutoConfig
+
+        from gptforge.model.build import arch_of
+        from gptforge.model.pretrained import model_dir
+
+        path = model_dir(cfg.model.pretrained, cfg.model.revision)  # its config is enough: no weights needed
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.pretrained={cfg.model.pretrained!r}: no config.json in {path}")
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        arch = arch_of(config)
+    default_len = cfg.pretrain.seq_len if args.stage == "pretrain" else section.max_length
+    seq_len = default_len if args.seq_len is None else args.seq_len
+    plan = make_plan(arch, args.vocab_size or arch.vocab_size, seq_len, section.micro_batch_size, args.gpus,
+                     args.tokens, args.peak_tflops, args.mfu, args.gpus_per_node, config, section.lora)
+    name = cfg.model.name() + (f", {args.stage} with LoRA r={section.lora.r}" if section.lora.r else "")
+    print(render(plan, name, args.gpus, args.gpu_mem, seq_len, section.micro_batch_size,
                  args.tokens is not None, args.peak_tflops, args.mfu, cfg.distributed.activation_checkpointing))
     return 0
 
@@ -295,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs a node (host memory is per node)")
     pl.add_argument("--gpu-mem", type=float, default=None, help="GPU memory in GiB, to say what fits")
     pl.add_argument("--tokens", type=float, default=None, help="training tokens (default: 20 per parameter)")
-    pl.add_argument("--seq-len", type=int, default=None, help="default: pretrain.seq_len")
+    pl.add_argument("--stage", choices=["pretrain", "sft", "reward", "preference"], default="pretrain",
+                    help="the training section planned: its micro-batch, length and lora")
+    pl.add_argument("--seq-len", type=int, default=None, help="default: the stage's seq_len or max_length")
     pl.add_argument("--vocab-size", type=int, default=None, help="default: the preset's vocabulary")
     pl.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200: 989)")
     pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")

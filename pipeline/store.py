@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from gptforge.core.config import ALGORITHMS, PipelineConfig, pipeline_stages, result_fields, tokenizer_source
+from gptforge.core.config import ALGORITHMS, PipelineConfig, named_models, pipeline_stages, result_fields
 from gptforge.core.errors import InputError
 from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.data.loaders import eval_fingerprint, source_fingerprint
@@ -81,9 +81,13 @@ def _hash(obj) -> str:
 
 def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     """The steps whose outputs `step` reads. A pipeline that starts from model.pretrained without pretraining it
-    has no tokenize or pretrain step: sft (and eval-sft, for its base) read that model itself."""
-    ups = UPSTREAM[step]
-    return ups if cfg.pretrain.enabled else tuple(u for u in ups if u != "pretrain")
+    has no tokenize or pretrain step (sft, and eval-sft for its base, read that model itself); with
+    preference.reward_model there is no reward stage; a reward model started from reward.pretrained reads SFT's
+    output only to sample it (reward.policy_samples)."""
+    drop = set() if cfg.pretrain.enabled else {"pretrain"}
+    drop |= {"reward"} if cfg.preference.reward_model else set()
+    drop |= {"sft"} if step == "reward" and cfg.reward.pretrained and not cfg.reward.policy_samples else set()
+    return tuple(u for u in UPSTREAM[step] if u not in drop)
 
 
 def lineage(cfg: PipelineConfig, step: str) -> list[str]:
@@ -95,21 +99,15 @@ def lineage(cfg: PipelineConfig, step: str) -> list[str]:
 
 
 def base_model(cfg: PipelineConfig, step: str) -> dict | None:
-    """What identifies the pretrained model a step reads directly, if it reads one: tokenize its tokenizer
-    (tokenizer.pretrained, else model.pretrained's), pretrain model.pretrained, and sft and eval-sft that model
-    where nothing pretrains it; by its settings and its content (a hub name's resolved commit, a local directory's
-    files)."""
-    if step == "tokenize":
-        name, revision = tokenizer_source(cfg)
-        key = "tokenizer.pretrained" if cfg.tokenizer.pretrained else "model.pretrained"
-    elif step == "pretrain" or (step in ("sft", "eval-sft") and not cfg.pretrain.enabled):
-        name, revision, key = cfg.model.pretrained, cfg.model.revision, "model.pretrained"
-    else:
+    """What identifies the models a step reads by name (gptforge.core.config.named_models): their settings and
+    their content (a hub name's resolved commit, a local directory's files)."""
+    named = named_models(cfg, step)
+    if not named:
         return None
-    if name is None:
-        return None
-    return {"model": result_fields(cfg.model) if key == "model.pretrained" else name,
-            "content": pretrained.fingerprint(name, revision, digest_cache(cfg), key)}
+    content = {key: pretrained.fingerprint(name, revision, digest_cache(cfg), key)
+               for key, (name, revision) in named.items()}
+    return {"model": result_fields(cfg.model), "content": content} if "model.pretrained" in named else \
+        {"content": content}
 
 
 def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[str, str]:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
-from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.adapters import wrap
+from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.export import export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
-from gptforge.model.pretrained import load_causal_lm
+from gptforge.model.pretrained import load_causal_lm, reference_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
@@ -38,7 +38,7 @@ def as_dataset(pairs: list[dict]):
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     pc, dist = cfg.preference, cfg.distributed
@@ -55,7 +55,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     metrics = TrainerMetrics(out_dir / "logs")
     policy = wrap(load_causal_lm(sft_dir, cfg.model, uses_bf16(dist, device), pc.lora), pc.lora, "causal-lm",
                   "preference.lora", checkpointing=dist.activation_checkpointing)  # adapters: the reference is its base
-    trainer = DPOTrainer(model=policy, ref_model=None, args=args,
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs)) if pc.reference else None
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():
         trainer.train(resume_from_checkpoint=resume_point(out_dir, "dpo", rank, world))

@@ -33,7 +33,7 @@ from gptforge.core.config import ALGORITHMS, PipelineConfig
 from gptforge.data import loaders
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import frozen, inference_config, partitioned, unwrap
-from gptforge.model.evaluate import (answers, check_same_vocabulary, preference_report, reference_metrics,
+from gptforge.model.evaluate import (answers, policy_and_judge, preference_report, reference_metrics,
                                      score_references, stop_ids)
 from gptforge.model.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, start_model
@@ -81,13 +81,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         metrics = {**score_references(responses, references, scored),
                    **{f"base_{k}": v for k, v in score_references(base_responses, references, scored).items()}}
     else:
-        reward_dir = inputs["reward"] / "model"
-        check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(reward_dir), f"reward model {reward_dir}")
+        _, reward_dir, _, reward_tokenizer = policy_and_judge(cfg, inputs)
         sft, reward_model = (load(AutoModelForCausalLM, inputs["sft"] / "model"),
                              load(AutoModelForSequenceClassification, reward_dir))
         metrics, responses = preference_report(unwrap(model), unwrap(sft), unwrap(reward_model), tokenizer, items,
                                                cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
-                                               **split)
+                                               reward_tokenizer=reward_tokenizer, **split)
     if rank == 0:
         with open(out_dir / OUTPUTS["answers"], "w") as f:
             for it, r in zip(items, responses):

@@ -18,15 +18,16 @@ from pathlib import Path
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows
-from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.adapters import wrap
+from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.evaluate import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.hf_trainer import (Checkpoints, TrainerMetrics, answered_dataset, online_rewards,
-                                       positions_from_mask, resume_point, trainer_kwargs, with_ptx)
-from gptforge.model.pretrained import load_causal_lm
+                                       positions_from_mask, resume_point, trainer_kwargs, use_reference,
+                                       with_ptx)
+from gptforge.model.pretrained import load_causal_lm, reference_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
@@ -37,7 +38,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
     pc, oc, dist = cfg.preference, cfg.preference.grpo, cfg.distributed
     rank, world, device = setup_distributed()
-    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(inputs)
+    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     pairs = loaders.preference_pairs(cfg.data).train
     loaders.require(len(pairs), pc.global_batch_size // oc.num_generations, "preference pairs (prompts)",
                     "preference.global_batch_size", "data.preference")
@@ -57,6 +58,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                                       "causal-lm", "preference.lora", checkpointing=dist.activation_checkpointing))
     trainer = trainer_cls(model=policy, args=args, train_dataset=answered_dataset(pairs), processing_class=tokenizer,
                           callbacks=[metrics, Checkpoints()], **rewards)
+    if pc.reference and pc.beta:
+        use_reference(trainer, reference_dir(cfg, inputs))
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
     with no_pickled_code():

@@ -34,13 +34,14 @@ from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.adapters import disabled, quantization, wrap
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
-from gptforge.model.evaluate import generate_ids, policy_and_judge, reward_scores, verify
+from gptforge.model.evaluate import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
+                                     same_vocabulary, verify)
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
-from gptforge.model.pretrained import load_causal_lm, load_dtype
+from gptforge.model.pretrained import load_causal_lm, load_dtype, model_dir, reference_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
@@ -76,21 +77,23 @@ def critic_values(critic, seqs, attention, P: int):
     return out[:, P - 1:-1, 0].float()
 
 
-def build_critic(reward_dir: Path, scale: float = 1.0, **kwargs):
-    """The reward model as a token-level value model: same backbone, its scalar head applied to every token,
-    scaled by the reward model's weight in the reward, so that the first values are on the reward's scale.
-    Inside `partitioned` (ZeRO-3) the critic loads partitioned and only its head is gathered to be set."""
+def build_critic(start: Path, scale: float = 1.0, **kwargs):
+    """A token-level value model from `start`: a reward model's backbone with its scalar head applied to every
+    token, scaled by the reward model's weight in the reward, so that the first values are on the reward's scale;
+    a model without a reward head (a causal LM) gets a zero one. Inside `partitioned` (ZeRO-3) the critic loads
+    partitioned and only its head is gathered to be set."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(reward_dir, num_labels=1)
+    config = AutoConfig.from_pretrained(start, num_labels=1)
     config.classifier_dropout = 0.0  # transformers' token classifiers default to 0.1: the values would be noisy
-    critic = AutoModelForTokenClassification.from_pretrained(reward_dir, config=config, **kwargs)
+    critic = AutoModelForTokenClassification.from_pretrained(start, config=config, **kwargs)
     head = critic.classifier if critic.config.model_type == "gpt2" else critic.score  # transformers' naming
     params = [p for p in (head.weight, head.bias) if p is not None]
+    reward_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=hasattr(head.weight, "ds_id")), \
             torch.no_grad():
-        head.weight.copy_(hf_tensor(reward_dir, "score.weight") * scale)
+        head.weight.copy_(hf_tensor(start, "score.weight") * scale if reward_head else torch.zeros_like(head.weight))
         if head.bias is not None:
             head.bias.zero_()
     return critic
@@ -104,11 +107,16 @@ def all_finite(device, *tensors) -> bool:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     pc, oc, dist = cfg.preference, cfg.preference.ppo, cfg.distributed
     rank, world, device = setup_distributed()
-    sft_dir, reward_dir, tokenizer, _ = policy_and_judge(inputs)
+    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
+    # the critic reads the policy's tokens: the reward model where it shares their vocabulary, else a new head
+    critic_dir = model_dir(oc.critic, None, "preference.ppo.critic") if oc.critic else \
+        reward_dir if same_vocabulary(tokenizer, reward_tokenizer) else sft_dir
+    for key, d in (("preference.ppo.critic", critic_dir), ("preference.reference", reference_dir(cfg, inputs))):
+        check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(d), f"{key} {d}")
     pairs = loaders.preference_pairs(cfg.data).train
     prompts, answers = map(list, zip(*loaders.answered_prompts(pairs)))
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
@@ -133,10 +141,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     with partitioned(actor_config):  # ZeRO-3: all models partitioned as they load
         actor = wrap(load_causal_lm(sft_dir, cfg.model, bf16, lora), lora, "causal-lm", "preference.lora",
                      checkpointing=dist.activation_checkpointing)
-        critic = wrap(build_critic(reward_dir, oc.reward_model_weight, dtype=dtype, **quantization(lora, dtype)),
+        critic = wrap(build_critic(critic_dir, oc.reward_model_weight, dtype=dtype, **quantization(lora, dtype)),
                       lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
         # with adapters the reference is the actor with its adapters disabled: no second copy
-        ref = None if lora.r else frozen(AutoModelForCausalLM.from_pretrained(sft_dir), actor_config, device)
+        ref = None if lora.r and not pc.reference else frozen(
+            AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs)), actor_config, device)
         reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(reward_dir), actor_config, device)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))
@@ -169,7 +178,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 ref_logp, _ = policy_logprobs(actor_engine if ref is None else ref, seqs, attention, P)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
-            rm_score = torch.tensor(reward_scores(reward_model, tokenizer, batch, texts), device=device)
+            rm_score = torch.tensor(reward_scores(reward_model, reward_tokenizer, batch, texts), device=device)
             verified = torch.tensor(verify(texts, [answers[i] for i in ids]), device=device)
             score = oc.reward_model_weight * rm_score + (oc.verifier_weight * verified if oc.verifier_reward else 0)
             rewards = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)

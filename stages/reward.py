@@ -1,4 +1,5 @@
-"""Reward stage: a scalar reward model initialised from the SFT model, trained on preference pairs
+"""Reward stage: a scalar reward model initialised from the SFT model (or from `reward.pretrained`, a model of its
+own, larger say, with its own tokenizer: the policy's responses reach it as text), trained on preference pairs
 with the pairwise Bradley-Terry loss (optional margin and reward centering), under DeepSpeed ZeRO.
 
     gptforge stage reward -c configs/tiny.yaml      (finds its input and output in the stage store)
@@ -33,7 +34,7 @@ from gptforge.model.export import export_model
 from gptforge.model.losses import pairwise_reward_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
-from gptforge.model.pretrained import load_dtype
+from gptforge.model.pretrained import fit_embeddings, load_dtype, model_dir, prepare_tokenizer
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
@@ -47,7 +48,7 @@ def rewards(engine, pairs: list[tuple[list[int], list[int]]], pad_id: int, devic
     return scores[:len(pairs)], scores[len(pairs):]
 
 
-def policy_pairs(sft_dir: Path, tokenizer, pairs: list[dict], n: int, temperature: float, max_new_tokens: int,
+def policy_pairs(sft_dir: Path, pairs: list[dict], n: int, temperature: float, max_new_tokens: int,
                  seed: int, rank: int, world: int, device, ds_config: dict) -> tuple[list[dict], int]:
     """Comparisons of the SFT model's own answers (as InstructGPT trains its reward model on the policy's
     samples; the demo's verifier is the labeller): one answer sampled for each of n distinct training
@@ -55,8 +56,9 @@ def policy_pairs(sft_dir: Path, tokenizer, pairs: list[dict], n: int, temperatur
     ships have hand-made wrong answers; these teach the reward model the policy's own mistakes, which
     is what it judges in the preference stage. Each rank samples its share (the SFT model held as the engines
     hold theirs: partitioned under ZeRO-3); every rank gets every pair. Returns (pairs, answers sampled)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     known = loaders.answered_prompts(pairs)
     n = min(n, len(known))
     mine = random.Random(seed).sample(range(len(known)), n)[rank::world]
@@ -92,15 +94,17 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
     rc, dist = cfg.reward, cfg.distributed
     rank, world, device = setup_distributed()
-    sft_dir = inputs["sft"] / "model"
-    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    # the reward model's start: the SFT model, or reward.pretrained (its own tokenizer and template)
+    start = model_dir(rc.pretrained, None, "reward.pretrained") if rc.pretrained else inputs["sft"] / "model"
+    tokenizer = AutoTokenizer.from_pretrained(start, trust_remote_code=cfg.model.trust_remote_code)
+    new_tokens = prepare_tokenizer(tokenizer)
     data = loaders.preference_pairs(cfg.data)
     train = encode_pairs(tokenizer, data.train, rc.max_length, rc.on_too_long)
     val = encode_pairs(tokenizer, data.val, rc.max_length, rc.on_too_long)
     sampled, added = 0, []
-    ds_config = deepspeed_config(dist, rc, world, device, AutoConfig.from_pretrained(sft_dir).hidden_size)
+    ds_config = deepspeed_config(dist, rc, world, device, AutoConfig.from_pretrained(start).hidden_size)
     if rc.policy_samples:
-        extra, sampled = policy_pairs(sft_dir, tokenizer, data.train, rc.policy_samples, rc.sample_temperature,
+        extra, sampled = policy_pairs(inputs["sft"] / "model", data.train, rc.policy_samples, rc.sample_temperature,
                                       rc.sample_max_new_tokens, cfg.run.seed, rank, world, device, ds_config)
         added = encode_pairs(tokenizer, extra, rc.max_length, "skip").examples
         train.examples += added
@@ -117,12 +121,15 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     torch.manual_seed(cfg.run.seed)
     dtype = load_dtype(cfg.model.dtype, uses_bf16(dist, device))
     with partitioned(ds_config):
-        model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=dtype,
+        model = AutoModelForSequenceClassification.from_pretrained(start, num_labels=1, dtype=dtype,
+                                                                   trust_remote_code=cfg.model.trust_remote_code,
                                                                    **quantization(rc.lora, dtype))
+        fit_embeddings(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    model = wrap(model, rc.lora, "sequence-classifier", "reward.lora", checkpointing=dist.activation_checkpointing)
+    learned = tokenizer.convert_tokens_to_ids([t for t in new_tokens if t != tokenizer.pad_token])
+    model = wrap(model, rc.lora, "sequence-classifier", "reward.lora", learned, dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, rc, dist, elastic,
                                                 partial(stage_verdict, cfg, rc, world, device, len(tokenizer)))

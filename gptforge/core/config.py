@@ -320,6 +320,8 @@ class SFTSection(TrainSection):
 
 
 class RewardSection(TrainSection):
+    pretrained: str | None = Setting(None, description="Start the reward model from this model (hub name or local "
+                                     "directory; a causal LM gets a new head) instead of the SFT output.")
     lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
     max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response.")
     on_too_long: Literal["skip", "truncate"] = Setting("skip", description="What to do with pairs over max_length.")
@@ -366,6 +368,8 @@ class PPOSection(OnlineSection):
     cliprange: float = Setting(0.2, gt=0, description="Policy ratio clip.")
     cliprange_value: float = Setting(0.2, gt=0, description="Value clip.")
     critic_lr: float = Setting(1e-4, gt=0, description="Critic learning rate.")
+    critic: str | None = Setting(None, description="The critic's start (hub name or local directory); None: the "
+                                 "reward model, or the SFT model with a new value head where their tokenizers differ.")
     kl_target: float | None = Setting(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
     kl_horizon: int = Setting(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
     max_bad_steps: int = Setting(3, ge=0, description="Steps with a NaN/Inf reward or loss skipped before failing.")
@@ -391,6 +395,10 @@ class PreferenceSection(TrainSection):
     min_lr: float = Setting(0.0, ge=0, description="Learning rate at the end of cosine decay.")
     beta: float = Setting(0.1, gt=0, description="KL strength (DPO beta, the initial KL coefficient of the others).")
     max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response.")
+    reward_model: str | None = Setting(None, description="A ready reward model (sequence classifier: hub name or local "
+                                       "directory) that judges the policy; the pipeline then trains none.")
+    reference: str | None = Setting(None, description="The reference policy (hub name or local directory); None: the "
+                                    "SFT model (with adapters: the policy with its adapters disabled).")
     dpo: DPOSection = Setting(default_factory=DPOSection, description="DPO's own settings.")
     ppo: PPOSection = Setting(default_factory=PPOSection, description="PPO's own settings.")
     grpo: GRPOSection = Setting(default_factory=GRPOSection, description="GRPO's own settings.")
@@ -455,6 +463,8 @@ class PipelineConfig(Section):
         chain = [("sft", self.sft), ("reward", self.reward), ("preference", self.preference)]
         if not self.model.pretrained:
             chain.insert(0, ("pretrain", self.pretrain))
+        if self.preference.reward_model:  # a ready reward model: no reward stage
+            chain.remove(("reward", self.reward))
         for (up, up_s), (down, down_s) in zip(chain, chain[1:]):
             if down_s.enabled and not up_s.enabled:
                 raise ValueError(f"{down}.enabled is true but its input stage {up} is disabled ({up}.enabled=false)")
@@ -582,11 +592,12 @@ def dump_config(cfg: PipelineConfig) -> str:
 
 
 def pipeline_stages(cfg: PipelineConfig) -> list[str]:
-    """Stage names in order, the preference stage named after each algorithm; disabled stages left out (and
-    tokenize too when the pipeline starts from model.pretrained without pretraining it)."""
+    """Stage names in order, the preference stage named after each algorithm; disabled stages left out (tokenize
+    too when the pipeline starts from model.pretrained without pretraining it, and reward when
+    preference.reward_model names a ready one)."""
     names = ["tokenize"] if cfg.pretrain.enabled or not cfg.model.pretrained else []
     for name in ("pretrain", "sft", "reward"):
-        if getattr(cfg, name).enabled:
+        if getattr(cfg, name).enabled and not (name == "reward" and cfg.preference.reward_model):
             names.append(name)
     if cfg.preference.enabled:
         names.extend(cfg.preference.algorithms())
@@ -599,3 +610,27 @@ def tokenizer_source(cfg: PipelineConfig) -> tuple[str | None, str | None]:
     if cfg.tokenizer.pretrained:
         return cfg.tokenizer.pretrained, None
     return cfg.model.pretrained, cfg.model.revision
+
+
+def named_models(cfg: PipelineConfig, step: str) -> dict[str, tuple[str, str | None]]:
+    """The models a step reads by name rather than from an upstream stage's output: {config key: (hub name or
+    directory, revision)}."""
+    out = {}
+    if step == "tokenize":
+        name, revision = tokenizer_source(cfg)
+        if name:
+            out["tokenizer.pretrained" if cfg.tokenizer.pretrained else "model.pretrained"] = (name, revision)
+    if cfg.model.pretrained and (step == "pretrain" or (step in ("sft", "eval-sft") and not cfg.pretrain.enabled)):
+        out["model.pretrained"] = (cfg.model.pretrained, cfg.model.revision)
+    if step == "reward" and cfg.reward.pretrained:
+        out["reward.pretrained"] = (cfg.reward.pretrained, None)
+    pc, algorithm = cfg.preference, step.removeprefix("eval-")
+    if algorithm in ALGORITHMS:
+        judged = algorithm != "dpo" or step != algorithm  # DPO needs no reward model; its evaluation does
+        if pc.reward_model and judged:
+            out["preference.reward_model"] = (pc.reward_model, None)
+        if pc.reference and step == algorithm:
+            out["preference.reference"] = (pc.reference, None)
+        if pc.ppo.critic and step == "ppo":
+            out["preference.ppo.critic"] = (pc.ppo.critic, None)
+    return out

@@ -119,3 +119,33 @@ def test_out_of_memory_message_quotes_the_planner(tmp_path):
     message = str(e.value)
     assert "distributed.zero_stage=2" in message and "the planner (gpt2-1.5b): ZeRO-2 on 2 devices needs" in message
     assert f"{make_plan(PRESETS['gpt2-1.5b'], 50257, cfg.pretrain.seq_len, cfg.pretrain.micro_batch_size, 2, gpus_per_node=2).gpu_bytes(2, False, False) / GiB:.1f} GiB" in message  # noqa: E501
+
+
+def test_a_pretrained_models_lora_run_is_planned_from_its_config_json(tmp_path):
+    """`gptforge plan --set model.pretrained=DIR --set sft.lora.r=16 --stage sft` reads DIR/config.json (a Llama 2
+    7B shape here, no weights needed) and counts a LoRA run: the frozen base in 16 bits, whole on every GPU under
+    ZeRO-2, plus the adapters' own weights, gradients and Adam states (r * (in + out) a targeted linear layer)."""
+    from transformers import LlamaConfig
+
+    from gptforge.core.config import LoraSection
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         vocab_size=32000)
+    config.save_pretrained(tmp_path / "llama-2-7b")
+    from gptforge.model.build import arch_of
+
+    lora = LoraSection(r=16)
+    p = make_plan(arch_of(config), 32000, 1024, 1, 8, config=config, lora=lora)
+    full = make_plan(arch_of(config), 32000, 1024, 1, 8, config=config)
+    adapters = 32 * 16 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
+    assert p.n_params == full.n_params == pytest.approx(6.74e9, rel=0.01)
+    assert p.memory[(2, False)][0] == pytest.approx(2 * p.n_params + 2 * adapters + 18 * adapters / 8)
+    assert p.memory[(3, False)][0] < p.memory[(2, False)][0] < 0.5 * full.memory[(2, False)][0]
+    four_bit = make_plan(arch_of(config), 32000, 1024, 1, 8, config=config, lora=LoraSection(r=16, quantize=4))
+    assert four_bit.memory[(2, False)][0] == pytest.approx(0.5 * p.n_params + 2 * adapters + 18 * adapters / 8)
+    out = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--set",
+                          f"model.pretrained={tmp_path / 'llama-2-7b'}", "--set", "sft.lora.r=16", "--stage", "sft",
+                          "--gpus", "8"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "llama-2-7b, sft with LoRA r=16: 6.738B parameters" in out.stdout
+    assert f"ZeRO-2{'':15s} {p.memory[(2, False)][0] / GiB:10.1f}" in out.stdout

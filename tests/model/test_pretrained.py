@@ -97,8 +97,8 @@ def test_a_tokenizer_gets_a_template_and_a_pad_that_no_conversation_holds(tmp_pa
     assert prepare_tokenizer(llama) == [] and llama.pad_token == "<|end_of_text|>"  # unused in chats: no growth
     base = AutoTokenizer.from_pretrained(hub_models.save_model("mistral", tmp_path / "m"))
     assert prepare_tokenizer(base) == ["<|im_start|>", "<|im_end|>"] and base.pad_token == "<unk>"
-    assert base.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                    add_generation_prompt=True) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    rendered = base.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_grown_embeddings_start_at_the_mean_of_the_old_rows(tmp_path):
