@@ -105,6 +105,29 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@contextlib.contextmanager
+def without_frozen_weights(engine):
+    """For the block, the engine's module state (what a step checkpoint stores of the model) without any frozen
+    weight under any of its names: DeepSpeed's exclude_frozen_parameters drops frozen parameters by
+    `named_parameters()`, which names a tied weight (an output head tied to the embeddings) once, so the frozen
+    embedding stayed in every checkpoint under the head's name."""
+    module = engine.module
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    if not frozen:
+        yield
+        return
+
+    def module_state_dict(destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        state = module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return {k: v for k, v in state.items() if k.removeprefix(prefix) not in frozen}
+
+    engine.module_state_dict = module_state_dict  # an instance attribute, over DeepSpeed's method
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
+
+
 def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, rank: int, world: int,
               keep_last: int) -> None:
     """A step checkpoint: each DeepSpeed engine's weights, optimizer and scheduler shards under step-N/<name>/,
@@ -114,7 +137,8 @@ def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, ran
     try:
         for name, engine in engines.items():
             # an adapter stage's frozen base is not saved: it is the stage's input, loaded again on resume
-            engine.save_checkpoint(str(d), tag=name, client_state=client_state, exclude_frozen_parameters=True)
+            with without_frozen_weights(engine):
+                engine.save_checkpoint(str(d), tag=name, client_state=client_state, exclude_frozen_parameters=True)
         torch.save(rng_state(), d / f"rng-rank{rank}.pt")
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(d, ignore_errors=True)  # never marked complete: the previous checkpoint stays the newest

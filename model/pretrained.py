@@ -204,14 +204,16 @@ def prepare_tokenizer(tokenizer, chat_template: str | None = None, grow: bool = 
     return tokenizer.convert_ids_to_tokens(list(range(before, len(tokenizer))))
 
 
-def fit_embeddings(model, tokenizer) -> bool:
+def fit_embeddings(model, tokenizer) -> list[int]:
     """Grow the input (and output) embeddings to the tokenizer's size where it outgrew them: new rows at the mean of
-    the old ones (transformers' mean resizing, which gathers the partitions under ZeRO-3). True if it grew."""
+    the old ones (transformers' mean resizing, which gathers the partitions under ZeRO-3). Returns the ids of the
+    new rows, less the pad's (it is never predicted): the rows a LoRA stage trains besides its adapters."""
     rows = model.get_input_embeddings().weight
-    if len(tokenizer) <= getattr(rows, "ds_shape", rows.shape)[0]:
-        return False
+    old = getattr(rows, "ds_shape", rows.shape)[0]
+    if len(tokenizer) <= old:
+        return []
     model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    return True
+    return [i for i in range(old, len(tokenizer)) if i != tokenizer.pad_token_id]
 
 
 def stop_tokens_of(model) -> list[int]:

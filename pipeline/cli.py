@@ -66,9 +66,11 @@ def cmd_run(args) -> int:
     _quiet_prefect_env()
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logging.getLogger(name).addFilter(OneLineUserErrors())
+    from gptforge.model.pretrained import check_models
     from gptforge.pipeline.flow import pipeline_flow, selected_stages
 
     selected_stages(cfg, args.from_stage, args.only)
+    check_models(cfg)  # before the server starts (the flow checks again for runs from the UI)
     server = None if os.environ.get("PREFECT_API_URL") else ephemeral_server()
     t0 = time.perf_counter()
     try:

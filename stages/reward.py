@@ -97,7 +97,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     # the reward model's start: the SFT model, or reward.pretrained (its own tokenizer and template)
     start = model_dir(rc.pretrained, None, "reward.pretrained") if rc.pretrained else inputs["sft"] / "model"
     tokenizer = AutoTokenizer.from_pretrained(start, trust_remote_code=cfg.model.trust_remote_code)
-    new_tokens = prepare_tokenizer(tokenizer)
+    prepare_tokenizer(tokenizer)
     data = loaders.preference_pairs(cfg.data)
     train = encode_pairs(tokenizer, data.train, rc.max_length, rc.on_too_long)
     val = encode_pairs(tokenizer, data.val, rc.max_length, rc.on_too_long)
@@ -124,12 +124,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         model = AutoModelForSequenceClassification.from_pretrained(start, num_labels=1, dtype=dtype,
                                                                    trust_remote_code=cfg.model.trust_remote_code,
                                                                    **quantization(rc.lora, dtype))
-        fit_embeddings(model, tokenizer)
+        grown = fit_embeddings(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    learned = tokenizer.convert_tokens_to_ids([t for t in new_tokens if t != tokenizer.pad_token])
-    model = wrap(model, rc.lora, "sequence-classifier", "reward.lora", learned, dist.activation_checkpointing)
+    model = wrap(model, rc.lora, "sequence-classifier", "reward.lora", grown, dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, rc, dist, elastic,
                                                 partial(stage_verdict, cfg, rc, world, device, len(tokenizer)))

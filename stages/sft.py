@@ -83,14 +83,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     ds_config = deepspeed_config(dist, sc, world, device, AutoConfig.from_pretrained(base_dir).hidden_size)
     with partitioned(ds_config):  # ZeRO-3: each rank holds its partition from the start
         model = load_causal_lm(base_dir, cfg.model, uses_bf16(dist, device), lora=sc.lora)
-        grown = fit_embeddings(model, tokenizer)
-    if rank == 0 and added:
-        print(f"[sft] added {added} to the tokenizer" + (", embeddings grown" if grown else ""), flush=True)
+        grown = fit_embeddings(model, tokenizer)  # the template's tokens, or ones beyond the model's rows
+    if rank == 0 and (added or grown):
+        print(f"[sft] added {added} to the tokenizer; embeddings grown by {len(grown)} rows (trained)", flush=True)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    learned = [t for t in added if t != tokenizer.pad_token]  # the template's new tokens: the pad is never predicted
-    model = wrap(model, sc.lora, "causal-lm", "sft.lora", tokenizer.convert_tokens_to_ids(learned),
-                 dist.activation_checkpointing)
+    model = wrap(model, sc.lora, "causal-lm", "sft.lora", grown, dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, sc, dist, elastic,
                                                 partial(stage_verdict, cfg, sc, world, device, len(tokenizer)))

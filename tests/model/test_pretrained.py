@@ -108,7 +108,8 @@ def test_grown_embeddings_start_at_the_mean_of_the_old_rows(tmp_path):
     tokenizer, model = AutoTokenizer.from_pretrained(d), AutoModelForCausalLM.from_pretrained(d)
     old = model.get_input_embeddings().weight.detach().clone()
     prepare_tokenizer(tokenizer)
-    assert pretrained.fit_embeddings(model, tokenizer) and not pretrained.fit_embeddings(model, tokenizer)
+    assert pretrained.fit_embeddings(model, tokenizer) == [old.shape[0], old.shape[0] + 1]
+    assert pretrained.fit_embeddings(model, tokenizer) == []
     rows = model.get_input_embeddings().weight.detach()
     assert rows.shape[0] == len(tokenizer) == old.shape[0] + 2 and torch.equal(rows[:old.shape[0]], old)
     assert torch.allclose(rows[old.shape[0]:], old.mean(0).expand(2, -1), atol=0.05)  # the mean, with its spread

@@ -19,6 +19,31 @@ def test_config_errors_exit_2_before_anything_starts(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("overrides,line", [
+    (["model.pretrained=org/missing", "pretrain.enabled=false"],
+     "error: model.pretrained='org/missing': revision main is not in the hub cache {cache} and HF_HUB_OFFLINE is set "
+     "(no copy of this model at all)"),
+    (["model.pretrained={model}", "pretrain.enabled=false", "sft.lora.r=8", "sft.lora.target_modules=[q_proj,c_fc]"],
+     "error: sft.lora.target_modules: c_fc match no module of the model; its linear modules are down_proj, "
+     "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"),
+    (["model.pretrained={model}", "pretrain.enabled=false", "preference.reward_model={model}"],
+     "error: preference.reward_model='{model}' is not a sequence classifier (architectures: ['LlamaForCausalLM']); "
+     "a reward model scores a sequence: give an AutoModelForSequenceClassification checkpoint"),
+])
+def test_a_model_that_cannot_be_used_is_one_line_before_anything_starts(tmp_path, overrides, line):
+    from tests import hub_models
+
+    model = hub_models.save_model("llama3", tmp_path / "llama3")
+    cache = tmp_path / "hub"
+    overrides = [o.format(model=model) for o in overrides]
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(TINY), "--set",
+                           f"run.root={tmp_path / 'r'}",
+                           *[a for o in overrides for a in ("--set", o)]], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode in (1, 2) and proc.stderr.strip().splitlines()[-1] == line.format(cache=cache, model=model)
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
+
+
 def test_unknown_stage_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "stage", "pretrian", "-c", str(TINY)],
                           capture_output=True, text=True, cwd=tmp_path)
