@@ -86,10 +86,8 @@ def wrap(model, lora, task: str, key: str, new_tokens: list[int] = (), checkpoin
         out = model.get_output_embeddings()
         if out is not None and out.weight is not model.get_input_embeddings().weight:
             save.append(next(n for n, m in model.named_modules() if m is out).rpartition(".")[2])
-    if lora.quantize:
+    if lora.quantize:  # (unquantized, PEFT itself makes the embeddings' output require grad under checkpointing)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
-    elif checkpointing:
-        model.enable_input_require_grads()  # reentrant checkpoints of a frozen base need a grad-requiring input
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=targets(model, lora, key), modules_to_save=save or None,
                         trainable_token_indices=trainable_tokens, task_type=TASKS[task])

@@ -30,9 +30,9 @@ from gptforge.core.errors import UserError
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows, positions
 from gptforge.data.loader import DistributedOrder
+from gptforge.model.adapters import disabled, quantization, wrap
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.adapters import disabled, quantization, wrap
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.evaluate import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
                                      same_vocabulary, verify)
@@ -174,8 +174,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         gen_seconds = time.perf_counter() - t0
         with torch.no_grad():
             old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P)
-            with disabled(actor_engine):
-                ref_logp, _ = policy_logprobs(actor_engine if ref is None else ref, seqs, attention, P)
+            if ref is None:  # adapters: the reference is the actor without them
+                with disabled(actor_engine):
+                    ref_logp, _ = policy_logprobs(actor_engine, seqs, attention, P)
+            else:
+                ref_logp, _ = policy_logprobs(ref, seqs, attention, P)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
             rm_score = torch.tensor(reward_scores(reward_model, reward_tokenizer, batch, texts), device=device)

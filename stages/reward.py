@@ -25,9 +25,9 @@ from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.data.chat import collate, encode_pairs
 from gptforge.data.loader import DistributedOrder
+from gptforge.model.adapters import quantization, wrap
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.adapters import quantization, wrap
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.evaluate import generate
 from gptforge.model.export import export_model

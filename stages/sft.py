@@ -29,9 +29,9 @@ from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.data.chat import collate, encode_conversations, model_batch, pack
 from gptforge.data.loader import DistributedOrder
+from gptforge.model.adapters import wrap
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.adapters import wrap
 from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
 from gptforge.model.export import export_model
 from gptforge.model.losses import causal_lm_loss, router_loss

@@ -84,6 +84,21 @@ def test_the_merged_export_and_the_adapter_give_the_peft_models_outputs(family, 
         assert torch.allclose(adapter(**inputs).logits, tuned, atol=1e-4)
 
 
+def test_lora_trains_through_activation_checkpointing(families):
+    """With gradient checkpointing and a frozen base, the adapters still get gradients (reentrant checkpoints need
+    the embeddings' output to require grad, which PEFT arranges when checkpointing is on before it wraps)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(families["qwen2"])
+    model = AutoModelForCausalLM.from_pretrained(families["qwen2"])
+    model.gradient_checkpointing_enable()
+    model = wrap(model, LORA, "causal-lm", "sft.lora", checkpointing=True).train()
+    inputs, y = chat_batch(tokenizer)
+    causal_lm_loss(model(**inputs).logits, y).backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]  # A gets none while B is 0
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 def test_a_reward_models_lora_trains_its_head_in_full(families):
     from transformers import AutoModelForSequenceClassification
 

@@ -137,3 +137,32 @@ def test_a_model_given_back_with_a_new_chat_format_trains_its_new_tokens_under_l
     new = load_file(sft_dir / "model" / "model.safetensors")["transformer.wte.weight"]
     assert new.shape[0] == old.shape[0] + 3 and torch.equal(new[:old.shape[0]], old)  # the old rows: frozen
     assert (new[old.shape[0]:] - old.mean(0)).abs().max() > 1e-3
+
+
+def test_named_roles_from_models_with_other_tokenizers(tmp_path):
+    """Full weights under ZeRO-2: SFT of a Qwen2-style model straight from its directory (no tokenize or pretrain),
+    a reward model started from a templateless Mistral-style base (reward.pretrained: its own tokenizer, ChatML and
+    its tokens added, the embeddings grown), then PPO judged by that reward model given as a ready one
+    (preference.reward_model: no reward stage in the lineage), its responses reaching it as text through its own
+    template, with a named reference and, the vocabularies differing, a critic started from the SFT model with a
+    new value head; then the held-out report, judged the same way."""
+    from transformers import AutoTokenizer
+
+    policy = hub_models.save_model("qwen2", tmp_path / "qwen2")
+    judge = hub_models.save_model("mistral", tmp_path / "mistral")
+    common = [f"model.pretrained={policy}", "pretrain.enabled=false", "distributed.zero_stage=2",
+              "reward.policy_samples=0", "preference.algorithm=ppo", "preference.max_steps=4"]
+    cfg, path = config(tmp_path / "runs", *common, f"reward.pretrained={judge}")
+    sft, sft_dir, _ = run_stage(cfg, path, "sft")
+    assert sft["metrics"]["val_loss"] < sft["metrics"]["base_val_loss"] - 0.2
+    reward, reward_dir, _ = run_stage(cfg, path, "reward")
+    assert reward["inputs"] == {} and len(AutoTokenizer.from_pretrained(reward_dir / "model")) == \
+        len(AutoTokenizer.from_pretrained(judge)) + 2  # ChatML's two tokens
+    cfg, path = config(tmp_path / "runs", *common, f"preference.reward_model={reward_dir / 'model'}",
+                       f"preference.reference={policy}")
+    ppo, ppo_dir, out = run_stage(cfg, path, "ppo")
+    assert ppo["inputs"].keys() == {"sft"} and ppo["metrics"]["global_step"] == 4
+    scores = logged(ppo_dir, "reward_model_score")
+    assert scores and all(s == s for s in scores)  # scored through the judge's own tokenizer, finite
+    report, _, _ = run_stage(cfg, path, "eval-ppo")
+    assert report["inputs"].keys() == {"ppo", "sft"} and 0 <= report["metrics"]["win_rate_vs_sft"] <= 1
