@@ -2,7 +2,7 @@
 user would write instead, TRL's SFTTrainer with the same PEFT config on the same conversations and batch
 (tokens/s), side by side in one run, on a ~150M Llama-style model given to the pipeline as `model.pretrained`.
 
-    .venv/bin/python bench/lora.py [--steps 12] [--nproc 1] [--smoke]
+    .venv/bin/python bench/lora.py [--steps 30] [--nproc 1] [--smoke]
 
 The model is built here (`llama-160m`'s shape with a demo-trained BPE vocabulary, random weights: speed and
 memory do not depend on what it knows) and saved as a local Hugging Face directory. The three runs use one
@@ -88,7 +88,7 @@ def trl_sft(root: Path, model: Path, steps: int) -> dict:
     from gptforge.data import loaders
     from gptforge.model.hf_trainer import TrainerMetrics
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", BATCH)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*BATCH, "distributed.nproc_per_node=1"])
     conversations = loaders.conversations(cfg.data).train
     tokenizer = AutoTokenizer.from_pretrained(model)
     metrics = TrainerMetrics(root / "trl" / "logs")
@@ -107,7 +107,7 @@ def trl_sft(root: Path, model: Path, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--nproc", type=int, default=1, help="processes of the two gptforge runs")
     p.add_argument("--smoke", action="store_true", help="a 2-layer model and 4 steps: check that it runs")
     args = p.parse_args()

@@ -193,12 +193,16 @@ def device_memory_gib(device: torch.device) -> float | None:
 
 
 def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int) -> str:
-    """The planner's verdict for a stage as configured (its micro-batch and sequence length, the distributed
-    section's ZeRO stage, offload and checkpointing, this device's memory), for an out-of-memory message."""
+    """The planner's verdict for a stage as configured (the preset or model.pretrained, its micro-batch, sequence
+    length and lora, the distributed section's ZeRO stage, offload and checkpointing, this device's memory), for an
+    out-of-memory message."""
     dist = cfg.distributed
-    seq_len = getattr(train, "seq_len", None) or getattr(train, "max_length", None) or cfg.model.arch().n_positions
-    p = make_plan(cfg.model.arch(), vocab_size, seq_len, train.micro_batch_size, world,
-                  gpus_per_node=dist.nproc_per_node)
+    from gptforge.model.pretrained import architecture
+
+    arch, config = architecture(cfg.model)
+    seq_len = getattr(train, "seq_len", None) or getattr(train, "max_length", None) or arch.n_positions
+    p = make_plan(arch, vocab_size, seq_len, train.micro_batch_size, world, gpus_per_node=dist.nproc_per_node,
+                  config=config, lora=train.lora)
     line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world,
                    device_memory_gib(device))
     return f"the planner ({cfg.model.name()}): {line}"

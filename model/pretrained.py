@@ -68,9 +68,13 @@ def resolve_commit(name: str, revision: str | None, key: str = "model.pretrained
                                                  " (no copy of this model at all)"))
 
 
-def model_dir(name: str, revision: str | None = None, key: str = "model.pretrained") -> Path:
+TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # what a tokenizer needs of a repository
+
+
+def model_dir(name: str, revision: str | None = None, key: str = "model.pretrained",
+              allow_patterns: list[str] | None = None) -> Path:
     """The local directory of a model: the directory itself, or the hub snapshot of its resolved commit
-    (downloaded into the hub cache if it is not there)."""
+    (downloaded into the hub cache if it is not there; only the files `allow_patterns` match, if given)."""
     if is_local(name):
         path = Path(name).expanduser()
         if not path.is_dir():
@@ -80,7 +84,8 @@ def model_dir(name: str, revision: str | None = None, key: str = "model.pretrain
 
     commit = resolve_commit(name, revision, key)
     try:
-        return Path(snapshot_download(name, revision=commit, local_files_only=offline()))
+        return Path(snapshot_download(name, revision=commit, local_files_only=offline(),
+                                      allow_patterns=allow_patterns))
     except Exception as e:  # noqa: BLE001
         raise UserError(f"{key}={name!r} at commit {commit}: cannot fetch it into {hub_cache()}: "
                         f"{type(e).__name__}") from None
@@ -155,6 +160,22 @@ def start_model(cfg, inputs: dict[str, Path]) -> Path:
     if "pretrain" in inputs:
         return inputs["pretrain"] / "model"
     return model_dir(cfg.model.pretrained, cfg.model.revision)
+
+
+def architecture(model_cfg):
+    """(Arch, transformers config or None) of the model the pipeline trains: the preset's, or model.pretrained's
+    own (its config.json alone is read: no weights needed, for the planner)."""
+    if not model_cfg.pretrained:
+        return model_cfg.arch(), None
+    from transformers import AutoConfig
+
+    from gptforge.model.build import arch_of
+
+    path = model_dir(model_cfg.pretrained, model_cfg.revision)
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.pretrained={model_cfg.pretrained!r}: no config.json in {path}")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    return arch_of(config), config
 
 
 def reward_model_dir(cfg, inputs: dict[str, Path]) -> Path:

@@ -218,21 +218,11 @@ def cmd_generate(args) -> int:
 
 def cmd_plan(args) -> int:
     from gptforge.model.plan import make_plan, render
+    from gptforge.model.pretrained import architecture
 
     cfg = load_config(args.config, args.set)
     section = getattr(cfg, args.stage)
-    arch, config = cfg.model.arch(), None
-    if cfg.model.pretrained:  # its config.json: the architecture as it is built
-        from transformers import AutoConfig
-
-        from gptforge.model.build import arch_of
-        from gptforge.model.pretrained import model_dir
-
-        path = model_dir(cfg.model.pretrained, cfg.model.revision)  # its config is enough: no weights needed
-        if not (path / "config.json").is_file():
-            raise UserError(f"model.pretrained={cfg.model.pretrained!r}: no config.json in {path}")
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-        arch = arch_of(config)
+    arch, config = architecture(cfg.model)  # model.pretrained: its config.json
     default_len = cfg.pretrain.seq_len if args.stage == "pretrain" else section.max_length
     seq_len = default_len if args.seq_len is None else args.seq_len
     plan = make_plan(arch, args.vocab_size or arch.vocab_size, seq_len, section.micro_batch_size, args.gpus,

@@ -23,7 +23,7 @@ from gptforge.core.errors import DataError
 from gptforge.data.loader import TokenWindows, eval_batches
 from gptforge.data.shards import TokenStream, read_index
 from gptforge.model.adapters import wrap
-from gptforge.model.build import arch_of, build_model, flops_per_token, parameter_counts, peak_flops
+from gptforge.model.build import build_model, flops_per_token, parameter_counts, peak_flops
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, startup_oom, uses_bf16
@@ -31,7 +31,7 @@ from gptforge.model.export import export_model
 from gptforge.model.losses import causal_lm_loss, router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
-from gptforge.model.pretrained import load_causal_lm, model_dir
+from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
@@ -78,20 +78,16 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                                                            inputs["tokenize"] / "shards")
     check_enough(train_tokens, val_tokens, pc, world)
     torch.manual_seed(cfg.run.seed)
+    arch, _ = architecture(cfg.model)
+    ds_config = deepspeed_config(dist, pc, world, device, arch.n_embd)
     if cfg.model.pretrained:  # continued pretraining
-        from transformers import AutoConfig
-
-        start = model_dir(cfg.model.pretrained, cfg.model.revision)
-        arch = arch_of(AutoConfig.from_pretrained(start, trust_remote_code=cfg.model.trust_remote_code))
         if pc.seq_len > arch.n_positions:
             raise DataError(f"pretrain.seq_len={pc.seq_len} exceeds the context of model.pretrained="
                             f"{cfg.model.pretrained} ({arch.n_positions} positions)")
-        ds_config = deepspeed_config(dist, pc, world, device, arch.n_embd)
         with partitioned(ds_config):  # ZeRO-3: loaded partitioned
-            model = load_causal_lm(start, cfg.model, uses_bf16(dist, device), pc.lora)
+            model = load_causal_lm(model_dir(cfg.model.pretrained, cfg.model.revision), cfg.model,
+                                   uses_bf16(dist, device), pc.lora)
     else:
-        arch = cfg.model.arch()
-        ds_config = deepspeed_config(dist, pc, world, device, arch.n_embd)
         model = build_model(arch, len(tokenizer), cfg.model.dropout, tokens={  # ZeRO-3: each rank its partition
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}, zero3=ds_config if dist.zero_stage == 3 else None)

@@ -35,7 +35,7 @@ from gptforge.data.parallel import engine
 from gptforge.data.shards import dtype_for, entropy, write_index
 from gptforge.data.sources import Unit, unit_bytes, units
 from gptforge.data.tokenizer import load_pretrained, save_hf, train_bpe
-from gptforge.model.pretrained import model_dir
+from gptforge.model.pretrained import TOKENIZER_FILES, model_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = {"tokenizer": "tokenizer", "shards": "shards"}
@@ -105,7 +105,7 @@ def tokenizer(cfg: PipelineConfig, sample: Sample, tok_dir: Path):
     name, revision = tokenizer_source(cfg)  # tokenizer.pretrained, else model.pretrained's own
     if name:
         key = "tokenizer.pretrained" if tc.pretrained else "model.pretrained"
-        return load_pretrained(str(model_dir(name, revision, key)), tok_dir)
+        return load_pretrained(str(model_dir(name, revision, key, TOKENIZER_FILES)), tok_dir)  # not its weights
     if not (tok_dir / "tokenizer.json").is_file():
         t0 = time.perf_counter()
         texts = sample.texts()
