@@ -21,7 +21,7 @@ from gptforge.core.config import load_config
 from gptforge.data import loaders
 from gptforge.data.chat import left_pad, prompt_ids
 from gptforge.model.distributed import setup_distributed
-from gptforge.model.engine import init_engine
+from gptforge.model.engine import deepspeed_config, init_engine
 from gptforge.model.evaluate import reward_scores
 from gptforge.model.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, whiten
 from gptforge.pipeline.store import locate, read_manifest
@@ -82,8 +82,9 @@ def main() -> None:
     rank, world, device = setup_distributed()
     section = pc.model_copy(update={"global_batch_size": pc.micro_batch_size})
     actor = AutoModelForCausalLM.from_pretrained(sft_dir / "model")
-    actor_engine, _, _ = init_engine(actor, section, dist, 1, device)
-    critic_engine, _, _ = init_engine(build_critic(reward_dir / "model"), section, dist, 1, device)
+    config = deepspeed_config(dist, section, 1, device)
+    actor_engine, _, _ = init_engine(actor, config, section, dist)
+    critic_engine, _, _ = init_engine(build_critic(reward_dir / "model"), config, section, dist)
     ref = AutoModelForCausalLM.from_pretrained(sft_dir / "model").eval()
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir / "model").eval()
     (seqs, attn, mask, P), t_gen = timed(lambda: rollout(actor_engine.module, tokenizer, prompts, oc, device, False))

@@ -40,8 +40,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def stage(cfg, cfg_path: Path) -> dict:
     lines: list[str] = []
     try:
-        for name in ("tokenize", "pretrain"):
-            manifest = run_stage(cfg, name, cfg_path, RunRecord(cfg), lines.append)
+        for name in ("tokenize", "pretrain"):  # pretrain.compile changes no fingerprint: recompute, not reuse
+            manifest = run_stage(cfg, name, cfg_path, RunRecord(cfg), lines.append, recompute=name == "pretrain")
     except StageFailed as e:
         sys.exit(f"{e}\n" + "\n".join(lines[-60:]))
     return manifest["metrics"]
