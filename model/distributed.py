@@ -40,7 +40,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         if len(cpus) >= local_world:
             os.sched_setaffinity(0, cpus[local_rank * share:(local_rank + 1) * share])
         torch.set_num_threads(share)
-    return_freed_memory()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
@@ -50,7 +49,9 @@ def return_freed_memory(threshold: int = 1 << 20) -> None:
     """Have glibc map every host allocation of `threshold` bytes or more on its own and unmap it when freed. By
     default glibc raises that threshold as large blocks are freed, and then serves them from a heap it rarely
     returns: ZeRO-3, which gathers and frees every layer's parameters each step, then held about twice its model
-    states in resident memory (a 152M-parameter model on 2 CPU processes: 3.2 GiB a process instead of 2.1)."""
+    states in resident memory (a 152M-parameter model on 2 CPU processes: 3.2 GiB a process instead of 2.1). It
+    taxes every large allocation with fresh zeroed pages (a third of a ZeRO-2 CPU step), so only ZeRO-3 asks for
+    it (gptforge.model.engine.zero_config)."""
     import ctypes
 
     try:

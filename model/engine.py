@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from gptforge.core.errors import UserError
+from gptforge.model.distributed import return_freed_memory
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
 
@@ -23,8 +24,11 @@ def zero_config(dist, device: torch.device, hidden_size: int | None = None) -> d
     (hidden² elements), and the parameters it keeps gathered (live, or kept for reuse) to under a layer's
     (10·hidden², DeepSpeed's 1e9 at most), and the optimizer steps a layer's worth (12·hidden²) at a time, so that
     a small model does not hold buffers meant for a large one, nor stay gathered whole between forward and
-    backward, nor step its whole partition's temporaries at once."""
+    backward, nor step its whole partition's temporaries at once. Under ZeRO-3 this process's allocator is also
+    made to return freed blocks (`return_freed_memory`)."""
     cfg = json.loads((DS_CONFIGS / f"zero{dist.zero_stage}.json").read_text())
+    if dist.zero_stage == 3:  # every ZeRO-3 model of a stage is set up from this config, before it is built
+        return_freed_memory()
     if dist.zero_stage == 3 and hidden_size:
         cfg["zero_optimization"].update(reduce_bucket_size=hidden_size * hidden_size,
                                         stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),

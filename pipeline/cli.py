@@ -212,7 +212,8 @@ def cmd_generate(args) -> int:
                              top_k=args.top_k if sample else None, top_p=args.top_p if sample else None,
                              num_return_sequences=args.num_samples)
     for row in out:
-        print(prompt + tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=not args.show_special))
+        reply = tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=not args.show_special)
+        print(reply if args.chat else prompt + reply)  # a chat prints the reply alone, not the templated prompt
     return 0
 
 

@@ -145,13 +145,14 @@ def test_named_roles_from_models_with_other_tokenizers(tmp_path):
     its tokens added, the embeddings grown), then PPO judged by that reward model given as a ready one
     (preference.reward_model: no reward stage in the lineage), its responses reaching it as text through its own
     template, with a named reference and, the vocabularies differing, a critic started from the SFT model with a
-    new value head; then the held-out report, judged the same way."""
+    new value head; then the held-out report, judged the same way; and GRPO (TRL) with the same judge and
+    reference."""
     from transformers import AutoTokenizer
 
     policy = hub_models.save_model("qwen2", tmp_path / "qwen2")
     judge = hub_models.save_model("mistral", tmp_path / "mistral")
     common = [f"model.pretrained={policy}", "pretrain.enabled=false", "distributed.zero_stage=2",
-              "reward.policy_samples=0", "preference.algorithm=ppo", "preference.max_steps=4"]
+              "reward.policy_samples=0", "preference.algorithm=[ppo,grpo]", "preference.max_steps=4"]
     cfg, path = config(tmp_path / "runs", *common, f"reward.pretrained={judge}")
     sft, sft_dir, _ = run_stage(cfg, path, "sft")
     assert sft["metrics"]["val_loss"] < sft["metrics"]["base_val_loss"] - 0.2
@@ -166,3 +167,5 @@ def test_named_roles_from_models_with_other_tokenizers(tmp_path):
     assert scores and all(s == s for s in scores)  # scored through the judge's own tokenizer, finite
     report, _, _ = run_stage(cfg, path, "eval-ppo")
     assert report["inputs"].keys() == {"ppo", "sft"} and 0 <= report["metrics"]["win_rate_vs_sft"] <= 1
+    grpo, grpo_dir, _ = run_stage(cfg, path, "grpo")  # TRL's trainer: the judge through its own tokenizer too, and
+    assert grpo["metrics"]["global_step"] == 4 and logged(grpo_dir, "reward_model_score")  # the named reference
