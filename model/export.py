@@ -10,6 +10,11 @@ from pathlib import Path
 import torch
 
 
+# What a training stage's output holds: `model/` (adapters merged, where it trained any) and, for an adapter
+# stage, `adapter/` (the PEFT adapter alone); see export_model.
+MODEL_OUTPUTS = {"model": "model", "adapter": "adapter"}
+
+
 def stop_token_ids(tokenizer) -> list[int]:
     """The tokens generation stops at: the special token the chat template closes an assistant turn with (found
     by rendering one) and end-of-text. Without a chat template, end-of-text alone."""
@@ -92,7 +97,7 @@ def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) ->
         model.empty_partition_cache()
     model = getattr(model, "module", model)
     if is_peft(model):  # an adapter stage: the adapter alone beside the model, then the model with it merged
-        save_adapter(model, out.parent / "adapter", rank)
+        save_adapter(model, out.parent / MODEL_OUTPUTS["adapter"], rank)
         model = merged(model)
     tensors = saved_tensors(model)
     sizes = [(k, getattr(t, "ds_numel", t.numel()) * t.element_size()) for k, t in tensors.items()]

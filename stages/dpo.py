@@ -20,12 +20,12 @@ from gptforge.model.adapters import wrap
 from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
-from gptforge.model.export import export_trainer
+from gptforge.model.export import MODEL_OUTPUTS, export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
 from gptforge.model.pretrained import load_causal_lm, reference_dir
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
+OUTPUTS = MODEL_OUTPUTS
 
 
 def as_dataset(pairs: list[dict]):

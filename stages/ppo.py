@@ -36,7 +36,7 @@ from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distrib
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.evaluate import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
                                      same_vocabulary, verify)
-from gptforge.model.export import export_model, hf_tensor
+from gptforge.model.export import MODEL_OUTPUTS, export_model, hf_tensor
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
@@ -44,7 +44,7 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import load_causal_lm, load_dtype, model_dir, reference_dir
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
+OUTPUTS = MODEL_OUTPUTS
 
 
 @torch.no_grad()

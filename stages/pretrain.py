@@ -27,14 +27,14 @@ from gptforge.model.build import build_model, flops_per_token, parameter_counts,
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, startup_oom, uses_bf16
-from gptforge.model.export import export_model
+from gptforge.model.export import MODEL_OUTPUTS, export_model
 from gptforge.model.losses import causal_lm_loss, router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
+OUTPUTS = MODEL_OUTPUTS
 
 
 def load_data(tok_dir: Path, shard_dir: Path):

@@ -23,14 +23,14 @@ from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.evaluate import policy_and_judge
-from gptforge.model.export import export_trainer
+from gptforge.model.export import MODEL_OUTPUTS, export_trainer
 from gptforge.model.hf_trainer import (Checkpoints, TrainerMetrics, answered_dataset, online_rewards,
                                        positions_from_mask, resume_point, trainer_kwargs, use_reference,
                                        with_ptx)
 from gptforge.model.pretrained import load_causal_lm, reference_dir
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
+OUTPUTS = MODEL_OUTPUTS
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:

@@ -33,14 +33,14 @@ from gptforge.model.adapters import wrap
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
-from gptforge.model.export import export_model
+from gptforge.model.export import MODEL_OUTPUTS, export_model
 from gptforge.model.losses import causal_lm_loss, router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
 from gptforge.stages.cli import main
 
-OUTPUTS = {"model": "model", "adapter": "adapter"}  # adapter: the PEFT adapter of a LoRA stage
+OUTPUTS = MODEL_OUTPUTS
 
 
 @torch.no_grad()
