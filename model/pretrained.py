@@ -9,8 +9,8 @@ the key and what was looked for.
 
 A model's own tokenizer, chat template and stop tokens are used as they are; `prepare_tokenizer` gives a model
 without a chat template the configured one (ChatML by default, its special tokens added) and one without a pad
-token a pad of its own, and `fit_embeddings` grows the embeddings to the tokenizer (new rows at the mean of the
-old ones, gathered under ZeRO-3).
+token a pad of its own, and `fit_embeddings` grows the embeddings to the tokenizer (new rows drawn around the
+mean of the old ones, gathered under ZeRO-3).
 """
 
 from __future__ import annotations
@@ -226,9 +226,10 @@ def prepare_tokenizer(tokenizer, chat_template: str | None = None, grow: bool = 
 
 
 def fit_embeddings(model, tokenizer) -> list[int]:
-    """Grow the input (and output) embeddings to the tokenizer's size where it outgrew them: new rows at the mean of
-    the old ones (transformers' mean resizing, which gathers the partitions under ZeRO-3). Returns the ids of the
-    new rows, less the pad's (it is never predicted): the rows a LoRA stage trains besides its adapters."""
+    """Grow the input (and output) embeddings to the tokenizer's size where it outgrew them: new rows drawn from
+    the old rows' mean and covariance (transformers' mean resizing, which gathers the partitions under ZeRO-3).
+    Returns the ids of the new rows, less the pad's (it is never predicted): the rows a LoRA stage trains besides
+    its adapters."""
     rows = model.get_input_embeddings().weight
     old = getattr(rows, "ds_shape", rows.shape)[0]
     if len(tokenizer) <= old:

@@ -67,7 +67,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     def load(cls, path: Path, fit: bool = False):  # held as training holds it: on the device, in its precision
         with partitioned(config):
             model = cls.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-            if fit:  # a base whose vocabulary SFT grew (a chat template's tokens): new rows at the mean of the old
+            if fit:  # a base whose vocabulary SFT grew (a chat template's tokens): new rows around the old ones' mean
                 fit_embeddings(model, tokenizer)
             loaded.append(frozen(model, config, device))
         return loaded[-1]

@@ -101,7 +101,7 @@ def test_a_tokenizer_gets_a_template_and_a_pad_that_no_conversation_holds(tmp_pa
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_grown_embeddings_start_at_the_mean_of_the_old_rows(tmp_path):
+def test_grown_embeddings_start_around_the_mean_of_the_old_rows(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = hub_models.save_model("mistral", tmp_path / "m")
