@@ -114,12 +114,13 @@ def test_continued_pretraining_then_packed_lora_sft_resumes_exactly(tmp_path):
 
 
 def test_a_model_given_back_with_a_new_chat_format_trains_its_new_tokens_under_lora(chain, tmp_path):
-    """The demo's pretrained model, given back as model.pretrained with a Llama 3-style template whose header and
-    end-of-turn tokens are new special tokens: the embeddings grow by those three rows, LoRA SFT trains them (they
-    leave the mean they started at) and learns the format. (That it also keeps what pretraining taught, held-out
+    """The demo's pretrained model (GPT-2-style, tied embeddings), given back as model.pretrained with a Llama
+    3-style template whose header and end-of-turn tokens are new special tokens, under ZeRO-3: the embeddings grow
+    by those three rows, LoRA SFT trains them (they leave the mean they started at) and learns the format, and the
+    merged export gives the adapter's outputs. (That it also keeps what pretraining taught, held-out
     exact match well above the base's, takes longer runs: bench/from_pretrained.py, README.)"""
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = tmp_path / "demo-model"
     shutil.copytree(chain["pretrain"][1] / "model", model)
@@ -129,9 +130,10 @@ def test_a_model_given_back_with_a_new_chat_format_trains_its_new_tokens_under_l
     tokenizer.chat_template = hub_models.LLAMA3_TEMPLATE.replace("{{- bos_token }}", "")
     tokenizer.save_pretrained(model)
     cfg, path = config(tmp_path / "runs", f"model.pretrained={model}", "pretrain.enabled=false",
-                       "distributed.zero_stage=2", "sft.lora.r=16", "sft.lr=3e-3")
+                       "distributed.zero_stage=3", "sft.lora.r=16", "sft.lr=3e-3")
     sft, sft_dir, out = run_stage(cfg, path, "sft")
     assert "embeddings grown by 3 rows (trained)" in out
+    outputs_agree(sft_dir, model, AutoModelForCausalLM)  # the new rows' adapter, partitioned, gathered and merged
     assert sft["metrics"]["val_loss"] < sft["metrics"]["base_val_loss"] - 1.0
     old = load_file(model / "model.safetensors")["transformer.wte.weight"]
     new = load_file(sft_dir / "model" / "model.safetensors")["transformer.wte.weight"]
