@@ -154,6 +154,16 @@ def load_causal_lm(path: Path, model_cfg, bf16: bool, lora=None, **kwargs):
                                                 **(quantization(lora, dtype) if lora else {}), **kwargs)
 
 
+def load_policy(path: Path, cfg, bf16: bool):
+    """A policy as the preference stages start it: `load_causal_lm`, with preference.lora's adapters (none at r=0;
+    with them, the reference is the policy with them disabled). Inside `partitioned` under ZeRO-3."""
+    from gptforge.model.adapters import wrap
+
+    lora = cfg.preference.lora
+    return wrap(load_causal_lm(path, cfg.model, bf16, lora), lora, "causal-lm", "preference.lora",
+                checkpointing=cfg.distributed.activation_checkpointing)
+
+
 def start_model(cfg, inputs: dict[str, Path]) -> Path:
     """The model SFT starts from (and eval-sft compares with): the pretrain stage's output when the pipeline
     pretrains, else model.pretrained (a hub snapshot or a local directory)."""

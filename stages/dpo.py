@@ -16,13 +16,12 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
-from gptforge.model.adapters import wrap
 from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
-from gptforge.model.pretrained import load_causal_lm, reference_dir
+from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = MODEL_OUTPUTS
@@ -53,8 +52,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     args = DPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
                      loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
     metrics = TrainerMetrics(out_dir / "logs")
-    policy = wrap(load_causal_lm(sft_dir, cfg.model, uses_bf16(dist, device), pc.lora), pc.lora, "causal-lm",
-                  "preference.lora", checkpointing=dist.activation_checkpointing)  # adapters: the reference is its base
+    policy = load_policy(sft_dir, cfg, uses_bf16(dist, device))
     reference = AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs)) if pc.reference else None
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])

@@ -41,7 +41,7 @@ from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
-from gptforge.model.pretrained import load_causal_lm, load_dtype, model_dir, reference_dir
+from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = MODEL_OUTPUTS
@@ -139,8 +139,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     bf16, lora = uses_bf16(dist, device), pc.lora
     dtype = load_dtype(cfg.model.dtype, bf16)
     with partitioned(actor_config):  # ZeRO-3: all models partitioned as they load
-        actor = wrap(load_causal_lm(sft_dir, cfg.model, bf16, lora), lora, "causal-lm", "preference.lora",
-                     checkpointing=dist.activation_checkpointing)
+        actor = load_policy(sft_dir, cfg, bf16)
         critic = wrap(build_critic(critic_dir, oc.reward_model_weight, dtype=dtype, **quantization(lora, dtype)),
                       lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
         # with adapters the reference is the actor with its adapters disabled: no second copy

@@ -18,7 +18,6 @@ from pathlib import Path
 from gptforge.core.config import PipelineConfig
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows
-from gptforge.model.adapters import wrap
 from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
@@ -27,7 +26,7 @@ from gptforge.model.export import MODEL_OUTPUTS, export_trainer
 from gptforge.model.hf_trainer import (Checkpoints, TrainerMetrics, answered_dataset, online_rewards,
                                        positions_from_mask, resume_point, trainer_kwargs, use_reference,
                                        with_ptx)
-from gptforge.model.pretrained import load_causal_lm, reference_dir
+from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
 
 OUTPUTS = MODEL_OUTPUTS
@@ -54,8 +53,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                           rank, world, cfg.run.seed)
         trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
     metrics = TrainerMetrics(out_dir / "logs")
-    policy = positions_from_mask(wrap(load_causal_lm(sft_dir, cfg.model, uses_bf16(dist, device), pc.lora), pc.lora,
-                                      "causal-lm", "preference.lora", checkpointing=dist.activation_checkpointing))
+    policy = positions_from_mask(load_policy(sft_dir, cfg, uses_bf16(dist, device)))
     trainer = trainer_cls(model=policy, args=args, train_dataset=answered_dataset(pairs), processing_class=tokenizer,
                           callbacks=[metrics, Checkpoints()], **rewards)
     if pc.reference and pc.beta:
