@@ -21,6 +21,8 @@ def _quiet_prefect_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    # Heartbeats every 30 s, so that the automation `gptforge deploy` installs can mark a vanished run Crashed
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     # The first start of the ephemeral server migrates its SQLite database: slow on 2 cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
@@ -68,13 +70,19 @@ def cmd_run(args) -> int:
         logging.getLogger(name).addFilter(OneLineUserErrors())
     from gptforge.model.pretrained import check_models
     from gptforge.pipeline.flow import pipeline_flow, selected_stages
+    from gptforge.pipeline.store import pipeline_steps
+    from gptforge.pipeline.team import check_team
 
     selected_stages(cfg, args.from_stage, args.only)
     check_models(cfg)  # before the server starts (the flow checks again for runs from the UI)
+    check_team(cfg, pipeline_steps(cfg))
     server = None if os.environ.get("PREFECT_API_URL") else ephemeral_server()
     t0 = time.perf_counter()
     try:
-        metrics = pipeline_flow(config=cfg, from_stage=args.from_stage, only=args.only)
+        state = pipeline_flow(config=cfg, from_stage=args.from_stage, only=args.only, return_state=True)
+        if state.is_cancelled():
+            raise UserError(f"run {cfg.run.name} cancelled: {state.message}")
+        metrics = state.result()
     finally:
         drain_prefect()  # logs and events reach the server before it stops, not at exit against a stopped one
         logging.disable(logging.CRITICAL)  # the run is over: Prefect's goodbyes would come after our last line
@@ -86,11 +94,20 @@ def cmd_run(args) -> int:
 
 
 def serve(cfg, name: str) -> None:
-    """Serve the pipeline deployment (parameters: this config; schedule: run.schedule) until interrupted."""
-    from gptforge.pipeline.flow import pipeline_flow
+    """Serve the pipeline deployment (parameters: this config; schedule: run.schedule; a run whenever
+    `gptforge.data.changed` is emitted about it) and its watch flow (a check every run.watch_every seconds) from
+    this process, until interrupted. Stages run here, or on run.work_pools' workers."""
+    from prefect import serve as serve_all
 
-    pipeline_flow.serve(name=name, parameters={"config": cfg.model_dump(mode="json")}, cron=cfg.run.schedule,
-                        description="gptforge pipeline: tokenize -> pretrain -> sft -> reward -> preference")
+    from gptforge.pipeline.flow import pipeline_flow
+    from gptforge.pipeline.watch import data_changed_trigger, watch_flow
+
+    params = {"config": cfg.model_dump(mode="json")}
+    serve_all(pipeline_flow.to_deployment(
+        name=name, parameters=params, cron=cfg.run.schedule, triggers=[data_changed_trigger(cfg)],
+        description="gptforge pipeline: tokenize -> pretrain -> sft -> reward -> preference"),
+        watch_flow.to_deployment(name=name, parameters=params, interval=cfg.run.watch_every,
+                                 description="checks the pipeline's data sources; emits gptforge.data.changed"))
 
 
 def cmd_serve(args) -> int:
@@ -99,6 +116,15 @@ def cmd_serve(args) -> int:
     if not os.environ.get("PREFECT_API_URL"):
         raise UserError("PREFECT_API_URL is not set: point it at a Prefect server, or use `gptforge up`")
     serve(cfg, args.name)
+    return 0
+
+
+def cmd_deploy(args) -> int:
+    from gptforge.pipeline.deploy import deploy
+
+    cfg = load_config(args.config, args.set)
+    _quiet_prefect_env()
+    deploy(cfg, args.name, args.slots)
     return 0
 
 
@@ -288,6 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(sv)
     sv.add_argument("--name", default="gptforge", help="deployment name")
     sv.set_defaults(func=cmd_serve)
+
+    dp = sub.add_parser("deploy", help="create the work pools, stage, pipeline and watch deployments, the slot limit "
+                        "and the crashed-run automation on the Prefect server at PREFECT_API_URL")
+    config_args(dp)
+    dp.add_argument("--name", default="gptforge", help="pipeline deployment name")
+    dp.add_argument("--slots", type=int, default=None, metavar="N",
+                    help="create (or resize) the run.slots limit with N slots: the GPUs the runs share")
+    dp.set_defaults(func=cmd_deploy)
 
     up = sub.add_parser("up", help="start a local Prefect server (UI on 127.0.0.1:4200) if none runs, and serve")
     config_args(up)

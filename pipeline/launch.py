@@ -25,6 +25,7 @@ from pathlib import Path
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
 from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
+from gptforge.pipeline.team import gpu_slots
 from gptforge.pipeline.store import (RunRecord, check_inputs, complete, locate, now, read_manifest, read_result,
                                      stage_entry)
 
@@ -34,14 +35,18 @@ class StageFailed(UserError):
 
 
 @contextmanager
-def stage_lock(out_dir: Path):
-    """Exclusive lock on a stage output, so two runs never write it at once (the second fails)."""
+def stage_lock(out_dir: Path, wait: bool = False, log: Callable[[str], None] = print):
+    """Exclusive lock on a stage output, so two runs never write it at once. The second waits for the first
+    (`wait`), or fails at once (a `--from`, which would remove what the other is writing)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(out_dir.with_name(out_dir.name + ".lock"), "w") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError(f"another run is writing {out_dir}; wait for it to finish") from None
+            if not wait:
+                raise UserError(f"another run is writing {out_dir}; wait for it to finish") from None
+            log(f"another run is writing {out_dir}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
         yield
 
 
@@ -58,7 +63,14 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
                       finished_at=now(), seconds=round(time.perf_counter() - started, 2), metrics=manifest["metrics"])
         return manifest
     check_inputs(stage, inputs)
-    with stage_lock(out_dir):  # everything that writes the output happens under the lock, --from's removal too
+    # everything that writes the output happens under the lock, --from's removal too
+    with stage_lock(out_dir, wait=not recompute, log=log):
+        if not recompute and (manifest := read_manifest(out_dir)) is not None:  # the run we waited for made it
+            log(f"{stage}: reused the output another run completed while we waited: {out_dir}")
+            record.update(stage, output=str(out_dir), action="reused", status="complete", started_at=now(),
+                          finished_at=now(), seconds=round(time.perf_counter() - started, 2),
+                          metrics=manifest["metrics"])
+            return manifest
         if recompute and out_dir.exists():
             shutil.rmtree(out_dir)
         action = "resumed" if (out_dir / "checkpoints").is_dir() else "computed"
@@ -74,7 +86,8 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
 
         try:
             env = node_env(cfg, stage)
-            with rendezvous(cfg, stage) as port:
+            with gpu_slots(cfg, stage, log), rendezvous(cfg, stage) as port:
+                record.update(stage, processes_started_at=now())  # (after any wait for slots)
                 cmds = node_commands(cfg, stage, config_path, out_dir, {up: d for up, (d, _) in inputs.items()},
                                      port, env)
                 # The accelerate launcher starts its own store on node 0: the other nodes start once it listens,
@@ -82,6 +95,7 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
                 first = ((cfg.distributed.master_addr, port) if len(cmds) > 1 and port
                          and not hosts_rendezvous(cfg, stage) else None)
                 rc = run_streaming(cmds, log_line, env=env, on_progress=on_progress, first_listens_at=first)
+                record.update(stage, processes_finished_at=now())  # (before its slots are given back)
         except BaseException as e:  # cancelled (SIGTERM), interrupted, or we failed
             record.update(stage, status="cancelled" if isinstance(e, (Terminated, KeyboardInterrupt))
                           or type(e).__name__ == "TerminationSignal" else "crashed", finished_at=now())
@@ -113,6 +127,16 @@ def wait_listening(address: tuple[str, int], proc: subprocess.Popen, timeout: fl
             time.sleep(0.2)
 
 
+_running: set[subprocess.Popen] = set()  # every stage process group this process has started and not yet reaped
+
+
+def kill_running() -> None:
+    """Kill every stage process group this process started (its flow was cancelled while stages ran in threads,
+    where no signal reaches them)."""
+    for proc in list(_running):
+        kill_group(proc)
+
+
 def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict | None = None,
                   on_progress: Callable[[float], None] | None = None, progress_every: float = 10.0,
                   first_listens_at: tuple[str, int] | None = None) -> int:
@@ -127,9 +151,11 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
                                 env={**os.environ, **(env or {})}, start_new_session=True)
 
     procs = [start(cmds[0])]
+    _running.add(procs[0])
     if first_listens_at and len(cmds) > 1:
         wait_listening(first_listens_at, procs[0])
     procs += [start(cmd) for cmd in cmds[1:]]
+    _running.update(procs)
     guards = [watchdog(p.pid, group=True) for p in procs]
     previous = None
     # A cancelled flow run gets SIGTERM; the stage runs in its own session and would survive it. Inside a
@@ -181,6 +207,7 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
             kill_group(proc)
         raise
     finally:
+        _running.difference_update(procs)
         selector.close()
         for guard in guards:
             guard.kill()

@@ -122,12 +122,18 @@ def stage_table(stage: str, info: dict) -> str:
     cells = [name, info.get("action", ""), duration(seconds) if isinstance(seconds, (int, float)) else ""]
     cells += [_fmt(m[k]) for k in keys]
     table = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), "| " + " | ".join(cells) + " |"]
-    return "\n".join(table + ([f"\nNot computed: {m['unscored']}."] if m.get("unscored") else []))
+    notes = [f"\nNot computed: {m['unscored']}."] if m.get("unscored") else []
+    if approval := info.get("approval"):  # run.approve_before
+        said = "approved" if approval.get("approve") else "rejected"
+        notes.append(f"\nApproval: {said} at {approval.get('at', '')}" +
+                     (f": {approval['note']}" if approval.get("note") else ""))
+    return "\n".join(table + notes)
 
 
 def markdown(record: dict, plots: list[str], image) -> str:
     """The report's markdown; `image(name)` gives the address of a plot."""
     md = [f"# gptforge run `{record['name']}`", ""]
+    md += [f"**{record['outcome']}**", ""] if record.get("outcome") else []
     for stage, info in record["stages"].items():
         md += [stage_table(stage, info), ""]
     md += [f"![{n}]({image(n)})\n" for n in plots]
@@ -139,8 +145,9 @@ def write_report(run_dir: Path) -> tuple[dict, str]:
     record = json.loads((run_dir / "run.json").read_text())
     stages = record["stages"]
     plots = make_plots(stages, run_dir / "plots")
-    report = {"run": record["name"],
+    report = {"run": record["name"], **({"outcome": record["outcome"]} if "outcome" in record else {}),
               "stages": {s: {k: info.get(k) for k in ("action", "status", "output", "seconds", "metrics")}
+                         | ({"approval": info["approval"]} if "approval" in info else {})
                          for s, info in stages.items()},
               "plots": [f"plots/{n}.png" for n in plots]}
     write_json_atomic(run_dir / "report.json", report)

@@ -12,10 +12,12 @@ when `manifest.json` exists, says `complete`, and every file it lists still has 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import hashlib
 import importlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from gptforge.core.config import ALGORITHMS, PipelineConfig, named_models, pipeline_stages, result_fields
@@ -241,22 +243,38 @@ def versions() -> dict[str, str]:
 
 
 class RunRecord:
-    """`<run.root>/<run.name>/run.json`: the resolved config and what each stage did in this run."""
+    """`<run.root>/<run.name>/run.json`: the resolved config and what each stage did in this run. Stages running at
+    once (parallel branches, in threads or on workers sharing run.root) each update it under a file lock, reading
+    it afresh, so that none overwrites another's entry."""
 
     def __init__(self, cfg: PipelineConfig):
         self.dir = Path(cfg.run.root) / cfg.run.name
         self.path = self.dir / "run.json"
         self.dir.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            self.data = json.loads(self.path.read_text())
-        else:
-            self.data = {"name": cfg.run.name, "created_at": now(), "stages": {}}
-        self.data["config"] = cfg.model_dump(mode="json")
-        self.save()
+        with self._locked():
+            self.data = self._read() or {"name": cfg.run.name, "created_at": now(), "stages": {}}
+            self.data["config"] = cfg.model_dump(mode="json")
+            write_json_atomic(self.path, self.data)
 
-    def update(self, stage: str, **fields) -> None:
-        self.data["stages"].setdefault(stage, {}).update(fields)
-        self.save()
+    @contextmanager
+    def _locked(self):
+        with open(self.dir / "run.json.lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def update(self, stage: str | None = None, **fields) -> None:
+        """Merge `fields` into a stage's entry (or, with no stage, into the record itself)."""
+        with self._locked():
+            self.data = self._read() or self.data
+            (self.data["stages"].setdefault(stage, {}) if stage else self.data).update(fields)
+            write_json_atomic(self.path, self.data)
 
     def save(self) -> None:
-        write_json_atomic(self.path, self.data)
+        with self._locked():
+            write_json_atomic(self.path, self.data)

@@ -51,6 +51,19 @@ class RunSection(Section):
                            "checkpoint).")
     retry_delay: int = Setting(10, ge=0, description="Seconds between retries.")
     schedule: str | None = Setting(None, description="Cron schedule of the served deployment, e.g. '0 2 * * *'.")
+    work_pools: dict[str, str] = Setting({}, same_result=True, description="Stage (or evaluation step) -> Prefect "
+                                         "work pool it runs on, e.g. {tokenize: cpu, pretrain: gpu}; empty: every "
+                                         "stage runs in the flow's own process.")
+    default_work_pool: str | None = Setting(None, same_result=True, description="Work pool of the stages not in "
+                                            "run.work_pools (and of the pipeline and watch deployments).")
+    slots: str = Setting("gptforge-gpus", same_result=True, description="Prefect global concurrency limit a stage "
+                         "takes its world size of slots from while it runs (created by `gptforge deploy --slots N`).")
+    approve_before: list[str] = Setting([], same_result=True, description="Stages the flow pauses before, for a "
+                                        "person's approval in the Prefect UI.")
+    approve_timeout: int = Setting(86400, ge=60, same_result=True, description="Seconds an approval may wait "
+                                   "before the run fails.")
+    watch_every: int = Setting(600, ge=10, same_result=True, description="Seconds between the deployed watch "
+                               "flow's checks of the data sources and named models.")
     tracker: Literal["none", "mlflow"] = Setting("none", same_result=True, description="Experiment tracker: mlflow "
                                                  "logs each stage's parameters and metrics, nested under the run's.")
     tracking_uri: str | None = Setting(None, same_result=True, description="MLflow tracking server or store; None: "

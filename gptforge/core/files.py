@@ -5,19 +5,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 from gptforge.core.errors import storage_error
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON so that readers see the old file or the whole new one (write_text_atomic)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temp name, fsync, rename, fsync the folder: readers see the old file or the whole new one.
     A failed write (a full or read-only disk) leaves no temp file behind."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
     try:
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

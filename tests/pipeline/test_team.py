@@ -1,0 +1,325 @@
+"""gptforge on a team's Prefect server: a real server on 127.0.0.1 (its own PREFECT_HOME), the layout `gptforge
+deploy` creates on it (two process work pools, the stage deployments, a slot limit, the crashed-run automation) and
+a worker for each pool, all started here. Stages run as child flow runs on the pools the config names and outlive
+the pipeline's flow process; cancelling the pipeline cancels them; slots keep two pipelines' training apart; an
+approval gate waits for a person; a changed data file starts a run of the served deployment; bad team settings are
+one error line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from gptforge.pipeline.store import locate
+from tests.conftest import ROOT
+from tests.helpers import config, copy_store, free_port
+
+pytestmark = pytest.mark.slow
+PIPE = ["sft.enabled=false", "reward.enabled=false", "preference.enabled=false"]
+POOLS = ["run.work_pools={tokenize: cpu, pretrain: gpu}", "run.default_work_pool=cpu"]
+PREFECT = [sys.executable, "-m", "prefect"]
+GPTFORGE = [sys.executable, "-m", "gptforge.pipeline.cli"]
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+class Team:
+    """The server and its workers; `api()` is a client of this server (whatever other server the session's
+    tests use)."""
+
+    def __init__(self, root: Path):
+        self.root, self.procs = root, []
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}/api"
+        self.env = {**os.environ, "PREFECT_HOME": str(root / "prefect-home"), "PREFECT_API_URL": self.url,
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
+                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30", "PREFECT_LOGGING_LEVEL": "INFO"}
+        self.start("server", PREFECT + ["server", "start", "--host", "127.0.0.1", "--port", str(port)])
+        wait_for(self.healthy, 240, "the Prefect server")
+
+    def start(self, name: str, cmd: list[str], **kw) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "a")  # a pipe nobody reads would fill up and block it
+        proc = subprocess.Popen(cmd, env=kw.pop("env", self.env), stdout=log, stderr=subprocess.STDOUT,
+                                cwd=kw.pop("cwd", ROOT), start_new_session=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def healthy(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    @contextmanager
+    def api(self):
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: self.url}), get_client(sync_client=True) as client:
+            yield client
+
+    def gptforge(self, *args, check=True, **kw) -> subprocess.CompletedProcess:
+        proc = subprocess.run(GPTFORGE + list(args), env=kw.pop("env", self.env), capture_output=True, text=True,
+                              cwd=ROOT, timeout=kw.pop("timeout", 600), **kw)
+        assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    def log(self, name: str, tail: int | None = 4000) -> str:
+        return (self.root / f"{name}.log").read_text()[-tail if tail else 0:]
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory):
+    """Server, `gptforge deploy --slots 2` of a config that maps tokenize to `cpu` and pretrain to `gpu`, and a
+    process worker for each pool."""
+    root = tmp_path_factory.mktemp("team")
+    t = Team(root)
+    try:
+        _, path = config(root / "deploy", *PIPE, *POOLS)
+        out = t.gptforge("deploy", "-c", str(path), "--name", "team-test", "--slots", "2")
+        assert "work pool 'gpu' created" in out.stdout and "automation" in out.stdout
+        for pool in ("cpu", "gpu"):
+            t.start(f"worker-{pool}", PREFECT + ["worker", "start", "--pool", pool, "--type", "process"])
+        with t.api() as client:
+            wait_for(lambda: all(client.read_workers_for_work_pool(p) for p in ("cpu", "gpu")), 120, "the workers")
+        yield t
+    finally:
+        t.close()
+
+
+def flow_runs(client, flow: str, **filters) -> list:
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow])), **filters)
+
+
+def stage_runs(client, run_name: str) -> dict[str, list]:
+    """{step: [its gptforge-stage flow runs]} of the pipeline run named `run_name` (or, run from a deployment, that
+    name and its stamp)."""
+    out: dict[str, list] = {}
+    for run in flow_runs(client, "gptforge-stage"):
+        if any(t == f"gptforge-run:{run_name}" or t.startswith(f"gptforge-run:{run_name}-") for t in run.tags):
+            step = next(t.split(":", 1)[1] for t in run.tags if t.startswith("gptforge-step:"))
+            out.setdefault(step, []).append(run)
+    return out
+
+
+def pipeline_run_of(client, run_name: str):
+    runs = [r for r in flow_runs(client, "gptforge-pipeline")
+            if r.parameters.get("config", {}).get("run", {}).get("name", "").startswith(run_name)]
+    return runs[0] if runs else None
+
+
+def record(cfg) -> dict:
+    return json.loads((Path(cfg.run.root) / cfg.run.name / "run.json").read_text())
+
+
+def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tmp_path):
+    """tokenize on `cpu`, pretrain on `gpu`, as child flow runs of the pipeline's. SIGKILL the pipeline's flow
+    process while pretrain trains: pretrain trains on, a rerun joins it rather than starting a second copy or failing
+    on its lock, and the killed run is marked Crashed by the automation once its heartbeats stop."""
+    cfg, path = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=80", "pretrain.save_every=10", "run.name=pools")
+    first = team.start("pools-first", GPTFORGE + ["run", "-c", str(path)])
+    ckpt = locate(cfg, "pretrain")[0] / "checkpoints" / "step-00000010" / "complete.json"
+    wait_for(lambda: ckpt.exists() or first.poll() is not None, 400, "pretrain's first checkpoint")
+    assert first.poll() is None, team.log("pools-first")
+    os.killpg(first.pid, signal.SIGKILL)  # the pipeline's flow process and everything it started itself
+    first.wait()
+    with team.api() as client:
+        (pretrain,) = stage_runs(client, "pools")["pretrain"]
+        assert client.read_flow_run(pretrain.id).state.is_running()  # on the gpu worker, not in the killed group
+        again = team.gptforge("run", "-c", str(path))
+        assert "joining flow run" in again.stdout + again.stderr
+        runs = stage_runs(client, "pools")
+        assert len(runs["pretrain"]) == 1 and len(runs["tokenize"]) == 1  # nothing ran twice
+        pools = {step: client.read_flow_run(r[0].id) for step, r in runs.items()}
+        assert {s: r.work_pool_name for s, r in pools.items()} == {"tokenize": "cpu", "pretrain": "gpu"}
+        assert all(r.state.is_completed() and r.parent_task_run_id is not None for r in pools.values())
+        killed = pipeline_run_of(client, "pools")
+    stages = record(cfg)["stages"]
+    assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 80
+    team.killed_pipeline = killed.id  # checked Crashed at the end of this module (three heartbeats later)
+
+
+def test_cancelling_the_pipeline_cancels_its_stage_runs(team, tmp_path):
+    """A run of the deployed pipeline on the cpu worker: cancelled while pretrain trains on the gpu worker, its
+    stage run is cancelled too and pretrain's processes are gone within seconds."""
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    from tests.pipeline.test_deployment import stage_pids
+
+    cfg, _ = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=100000", "pretrain.save_every=100000",
+                    "run.name=cancelled")
+    with team.api() as client:
+        run = run_deployment("gptforge-pipeline/team-test", parameters={"config": cfg.model_dump(mode="json")},
+                             timeout=0)
+        marker = str(tmp_path)
+        wait_for(lambda: any("gptforge.stages.pretrain" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+                             for p in stage_pids(marker) if Path(f"/proc/{p}").exists()), 400, "pretrain's ranks")
+        time.sleep(3)
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+        t0 = time.time()
+        wait_for(lambda: not stage_pids(marker), 60, "pretrain's processes to end")
+        print(f"stage processes gone {time.time() - t0:.1f} s after the cancel")
+        wait_for(lambda: client.read_flow_run(run.id).state.is_final(), 120, "the pipeline run to end")
+        assert client.read_flow_run(run.id).state.is_cancelled()
+        (pretrain,) = stage_runs(client, "cancelled")["pretrain"]
+        wait_for(lambda: client.read_flow_run(pretrain.id).state.is_final(), 60, "the stage run to end")
+        assert client.read_flow_run(pretrain.id).state.is_cancelled()
+
+
+def overlap(a: dict, b: dict) -> bool:
+    """Whether two stages' processes ran at the same time (recorded while they held their slots)."""
+    start, end = "processes_started_at", "processes_finished_at"
+    return a[start] < b[end] and b[start] < a[end]
+
+
+def test_two_pipelines_share_two_slots_without_overlapping(team, tmp_path):
+    """Two in-process pipelines against the server (no pools): each pretraining takes both slots (2 processes),
+    so one waits, showing `Waiting for slots` as its flow run's state, and neither fails."""
+    cfgs, procs = [], []
+    for name in ("slots-a", "slots-b"):
+        cfg, path = config(tmp_path / name, *PIPE, f"run.name={name}")
+        cfgs.append(cfg)
+        procs.append(team.start(name, GPTFORGE + ["run", "-c", str(path)]))
+    with team.api() as client:
+        def waiting():
+            runs = [pipeline_run_of(client, n) for n in ("slots-a", "slots-b")]
+            return any(r is not None and r.state_name == "Waiting for slots" for r in runs)
+
+        wait_for(lambda: waiting() or all(p.poll() is not None for p in procs), 400, "a pipeline waiting for slots")
+        assert waiting(), "neither pipeline was seen waiting for slots"
+        wait_for(lambda: all(p.poll() is not None for p in procs), 400, "both pipelines")
+    assert [p.returncode for p in procs] == [0, 0], team.log("slots-a") + team.log("slots-b")
+    a, b = (record(c)["stages"]["pretrain"] for c in cfgs)
+    assert a["status"] == b["status"] == "complete" and not overlap(a, b), (a, b)
+    assert "waiting for 2 of the 2 slots" in team.log("slots-a", tail=None) + team.log("slots-b", tail=None)
+
+
+def test_approval_gate_approved_then_rejected(team, tmp_path):
+    """`run.approve_before: [pretrain]`: the flow pauses after tokenize, holding no slot; approved through the API it
+    goes on without recomputing tokenize; rejected, the run ends Cancelled with the note in run.json and report."""
+    from prefect.client.schemas.objects import StateType
+
+    cfgs, procs = {}, {}
+    for name in ("approved", "rejected"):
+        cfg, path = config(tmp_path / name, *PIPE, f"run.name={name}", "run.approve_before=[pretrain]")
+        cfgs[name] = cfg
+        procs[name] = team.start(name, GPTFORGE + ["run", "-c", str(path)])
+    with team.api() as client:
+        paused = {n: wait_for(lambda n=n: (r := pipeline_run_of(client, n)) and r.state_type == StateType.PAUSED and r,
+                              300, f"{n} to pause") for n in cfgs}
+        assert client.read_global_concurrency_limit_by_name("gptforge-gpus").active_slots == 0
+        assert record(cfgs["approved"])["stages"]["pretrain"]["status"] == "awaiting approval"
+        client.resume_flow_run(paused["approved"].id, run_input={"approve": True, "note": "tokens look right"})
+        client.resume_flow_run(paused["rejected"].id, run_input={"approve": False, "note": "wrong tokenizer"})
+        for proc in procs.values():
+            proc.wait(400)
+        states = {n: client.read_flow_run(r.id).state for n, r in paused.items()}
+    assert procs["approved"].returncode == 0 and states["approved"].is_completed(), team.log("approved")
+    ok = record(cfgs["approved"])["stages"]
+    assert ok["tokenize"]["action"] == "computed" and ok["pretrain"]["status"] == "complete"
+    assert ok["pretrain"]["approval"]["approve"] is True and ok["pretrain"]["approval"]["note"] == "tokens look right"
+    assert procs["rejected"].returncode != 0 and states["rejected"].is_cancelled(), team.log("rejected")
+    assert "error: run rejected cancelled: pretrain was rejected at its approval gate: wrong tokenizer" in \
+        team.log("rejected")
+    no = record(cfgs["rejected"])
+    assert no["stages"]["pretrain"]["approval"] == {**no["stages"]["pretrain"]["approval"], "approve": False,
+                                                    "note": "wrong tokenizer"}
+    assert "processes_started_at" not in no["stages"]["pretrain"]  # it never started
+    report = (Path(cfgs["rejected"].run.root) / "rejected" / "report.md").read_text()
+    assert "rejected" in report and "wrong tokenizer" in report
+
+
+def chats(n: int, offset: int = 0) -> str:
+    rows = [{"messages": [{"role": "user", "content": f"what is {i} plus one?"},
+                          {"role": "assistant", "content": f"{i + 1}"}]} for i in range(offset, offset + n)]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_changed_sft_file_starts_one_run_that_recomputes_from_sft(team, chain, tmp_path):
+    """The served deployment and its watch flow: after the first check, changing the local SFT file makes the next
+    check emit gptforge.data.changed, and the deployment's trigger starts one run, in which tokenize and pretrain are
+    reused and sft and its evaluation compute. A check with nothing changed starts no run."""
+    from gptforge.pipeline.watch import watch_flow
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(chats(64))
+    cfg, path = config(tmp_path, "reward.enabled=false", "preference.enabled=false", f"data.sft={data}",
+                       "run.name=watched", "run.watch_every=86400")
+    copy_store(chain["root"], tmp_path, "tokenize", "pretrain")
+    team.start("serve", GPTFORGE + ["serve", "-c", str(path), "--name", "watch-test"])
+    with team.api() as client:
+        wait_for(lambda: any(d.name == "watch-test" for d in client.read_deployments()), 120, "the served deployment")
+        (deployment,) = [d for d in client.read_deployments() if d.name == "watch-test" and d.flow_id == next(
+            f.id for f in client.read_flows() if f.name == "gptforge-pipeline")]
+
+        def pipeline_runs():
+            from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+            only = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+            return client.read_flow_runs(deployment_filter=only)
+
+        watch_flow(config=cfg)  # the first check records the sources
+        assert watch_flow(config=cfg) == [] and pipeline_runs() == []
+        data.write_text(chats(64, offset=100))
+        assert watch_flow(config=cfg) == ["data.sft"]
+        (run,) = wait_for(pipeline_runs, 120, "the triggered run")
+        wait_for(lambda: client.read_flow_run(run.id).state.is_final(), 600, "the triggered run to end")
+        assert client.read_flow_run(run.id).state.is_completed(), team.log("serve")
+        assert watch_flow(config=cfg) == []
+        time.sleep(10)
+        assert len(pipeline_runs()) == 1  # nothing new, no run
+    (run_dir,) = Path(cfg.run.root).glob("watched-*")
+    actions = {s: i["action"] for s, i in json.loads((run_dir / "run.json").read_text())["stages"].items()}
+    assert actions == {"tokenize": "reused", "pretrain": "reused", "sft": "computed", "eval-sft": "computed"}
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["run.work_pools={pretrain: gpus}", "run.default_work_pool=cpu"],
+     "run.work_pools: no work pool 'gpus' on"),
+    (["distributed.nproc_per_node=4", "pretrain.micro_batch_size=4",
+      *[f"{s}.micro_batch_size=2" for s in ("sft", "reward", "preference")]],
+     "run.slots: the limit 'gptforge-gpus' has 2 slots, but stage pretrain needs 4"),
+])
+def test_bad_team_settings_are_one_line_before_anything_runs(team, tmp_path, overrides, error):
+    cfg, path = config(tmp_path, *PIPE, *overrides)
+    out = team.gptforge("run", "-c", str(path), check=False, timeout=120)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith(f"error: {error}"), out.stderr
+    assert not (Path(cfg.run.root) / "store").exists()
+
+
+def test_zz_the_killed_pipeline_run_is_marked_crashed(team):
+    """(Last in this module: by now the killed run's heartbeats have been missing for long enough.)"""
+    with team.api() as client:
+        state = wait_for(lambda: (s := client.read_flow_run(team.killed_pipeline).state).is_final() and s, 240,
+                         "the automation to mark the killed run Crashed", poll=2)
+    assert state.is_crashed(), state
