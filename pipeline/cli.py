@@ -128,6 +128,20 @@ def cmd_deploy(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    """One check of the pipeline's sources, now (what the deployed watch flow does on its schedule)."""
+    from gptforge.pipeline.watch import watch_flow
+
+    cfg = load_config(args.config, args.set)
+    _quiet_prefect_env()
+    if not os.environ.get("PREFECT_API_URL"):
+        raise UserError("PREFECT_API_URL is not set: the check compares with the last one, kept on the server")
+    changed = watch_flow(config=cfg)
+    drain_prefect()  # the event reaches the server before this process ends
+    print(f"changed: {', '.join(changed)}" if changed else "nothing changed")
+    return 0
+
+
 def server_healthy(url: str) -> bool:
     import urllib.request
 
@@ -322,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--slots", type=int, default=None, metavar="N",
                     help="create (or resize) the run.slots limit with N slots: the GPUs the runs share")
     dp.set_defaults(func=cmd_deploy)
+
+    wt = sub.add_parser("watch", help="check the pipeline's data sources now; emit gptforge.data.changed if one "
+                        "changed since the last check")
+    config_args(wt)
+    wt.set_defaults(func=cmd_watch)
 
     up = sub.add_parser("up", help="start a local Prefect server (UI on 127.0.0.1:4200) if none runs, and serve")
     config_args(up)

@@ -68,3 +68,16 @@ def dpo(chain, tmp_path_factory):
 
     cfg, path = prepared(chain, tmp_path_factory.mktemp("dpo"), *DPO)
     return (*run_stage(cfg, path, "dpo"), cfg, path)
+
+
+PPO = ["preference.algorithm=ppo", "distributed.zero_stage=2", "preference.max_steps=6",
+       "preference.save_every=2", "preference.global_batch_size=8", "preference.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="session")
+def ppo(chain, tmp_path_factory):
+    """Our PPO (ZeRO-2, 2 processes) on the chain's SFT policy and reward model: (manifest, out_dir, output)."""
+    from tests.helpers import prepared, run_stage
+
+    cfg, path = prepared(chain, tmp_path_factory.mktemp("ppo"), *PPO)
+    return run_stage(cfg, path, "ppo")

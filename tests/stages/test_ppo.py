@@ -12,17 +12,10 @@ from gptforge.model.checkpoints import newest_valid_checkpoint
 from gptforge.model.metrics import NAMES
 from gptforge.pipeline.store import locate
 from gptforge.model.metrics import MEASURED
+from tests.conftest import PPO
 from tests.helpers import changed_from_sft, kill_after_checkpoint, launch, logged, logged_names, prepared, run_stage
 
 pytestmark = pytest.mark.slow
-PPO = ["preference.algorithm=ppo", "distributed.zero_stage=2", "preference.max_steps=6",
-       "preference.save_every=2", "preference.global_batch_size=8", "preference.micro_batch_size=2"]
-
-
-@pytest.fixture(scope="module")
-def ppo(chain, tmp_path_factory):
-    cfg, path = prepared(chain, tmp_path_factory.mktemp("ppo"), *PPO)
-    return run_stage(cfg, path, "ppo")
 
 
 def test_ppo_trains_and_logs(chain, ppo):
