@@ -11,16 +11,18 @@ records them and emits nothing.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.events import DeploymentEventTrigger, emit_event
 
-from gptforge.core.config import PipelineConfig, named_models
+from gptforge.core.config import PipelineConfig, load_config, named_models
 from gptforge.data.loaders import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.pipeline.store import DATA_OF, digest_cache, pipeline_steps
 
 EVENT = "gptforge.data.changed"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def resource_id(cfg: PipelineConfig) -> str:
@@ -46,7 +48,7 @@ def watched(cfg: PipelineConfig) -> dict[str, str]:
 
 
 @flow(name="gptforge-watch", log_prints=True)
-def watch_flow(config: PipelineConfig) -> list[str]:
+def watch_flow(config: PipelineConfig = load_config(DEFAULT_CONFIG)) -> list[str]:
     """One check: emit `gptforge.data.changed` if a source changed since the last check; return what changed."""
     from prefect.variables import Variable
 

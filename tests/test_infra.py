@@ -37,14 +37,25 @@ def test_yaml_templates_parse_and_reference_real_commands(path):
             module, func = dep["entrypoint"].split(":")
             mod = importlib.import_module("gptforge." + module.removesuffix(".py").replace("/", "."))
             assert callable(getattr(mod, func))
-        assert docs[0]["deployments"][0]["schedules"][0]["cron"]
+        deployments = docs[0]["deployments"]
+        assert deployments[0]["schedules"][0]["cron"] and deployments[0]["triggers"][0]["expect"] == \
+            ["gptforge.data.changed"]
+        stages = {d["work_pool"]["name"] for d in deployments if d["entrypoint"].endswith(":stage_flow")}
+        assert stages == {"cpu", "gpu"}
         return
     if path.name == "compose.yaml":
         services = docs[0]["services"]
-        assert {"postgres", "server", "worker"} <= set(services)
-        assert "postgresql" in services["server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+        assert {"postgres", "server", "worker-cpu", "worker-gpu"} <= set(services)
+        server = services["server"]["environment"]
+        assert "postgresql" in server["PREFECT_API_DATABASE_CONNECTION_URL"]
+        assert server["PREFECT_SERVER_API_AUTH_STRING"]  # the server is not open
         assert "api/health" in " ".join(services["server"]["healthcheck"]["test"])
-        assert services["worker"]["depends_on"]["server"]["condition"] == "service_healthy"
+        assert all(p.startswith("127.0.0.1:") for p in services["server"]["ports"])
+        for pool in ("cpu", "gpu"):
+            worker = services[f"worker-{pool}"]
+            assert worker["depends_on"]["server"]["condition"] == "service_healthy"
+            assert f"--pool {pool}" in worker["command"] and worker["environment"]["PREFECT_API_AUTH_STRING"]
+            assert "shared:/shared" in worker["volumes"]  # one stage store for every worker
         return
     if "kubernetes" in path.parts:
         import kubernetes_validate

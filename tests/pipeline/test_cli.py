@@ -101,3 +101,22 @@ def test_generate_stops_at_the_models_own_stop_token_and_a_chat_prints_the_reply
     assert out.splitlines()[-1] == "" and "What is" not in out and "header" not in out
     assert main(["generate", str(d), "--prompt", "What is 3 plus 5?", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "What is 3 plus 5?"
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["run.work_pools={pretrain: gpu}"],
+     "error: run.work_pools needs a Prefect server: set PREFECT_API_URL (with the ephemeral server of a plain "
+     "`gptforge run`, no worker could run a stage and nobody could approve one)"),
+    (["run.approve_before=[dpo]"], "error: run.approve_before needs a Prefect server: set PREFECT_API_URL"),
+    (["run.approve_before=[dop]"], "error: run.approve_before names 'dop', which is not a stage of this pipeline; "
+                                   "did you mean 'dpo'?"),
+    (["run.work_pools={eval-spt: gpu}"], "error: run.work_pools names 'eval-spt', which is not a stage of this "
+                                         "pipeline; did you mean 'eval-sft'?"),
+])
+def test_team_settings_without_a_server_or_with_a_stage_misspelt_are_one_line(tmp_path, overrides, line):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(TINY), "--set",
+                           f"run.root={tmp_path / 'r'}", *[a for o in overrides for a in ("--set", o)]],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
+    assert not (tmp_path / "r").exists()

@@ -155,6 +155,7 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tmp_path):
     with team.api() as client:
         (pretrain,) = stage_runs(client, "pools")["pretrain"]
         assert client.read_flow_run(pretrain.id).state.is_running()  # on the gpu worker, not in the killed group
+        killed = pipeline_run_of(client, "pools")
         again = team.gptforge("run", "-c", str(path))
         assert "joining flow run" in again.stdout + again.stderr
         runs = stage_runs(client, "pools")
@@ -162,7 +163,6 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tmp_path):
         pools = {step: client.read_flow_run(r[0].id) for step, r in runs.items()}
         assert {s: r.work_pool_name for s, r in pools.items()} == {"tokenize": "cpu", "pretrain": "gpu"}
         assert all(r.state.is_completed() and r.parent_task_run_id is not None for r in pools.values())
-        killed = pipeline_run_of(client, "pools")
     stages = record(cfg)["stages"]
     assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 80
     team.killed_pipeline = killed.id  # checked Crashed at the end of this module (three heartbeats later)
@@ -318,8 +318,24 @@ def test_bad_team_settings_are_one_line_before_anything_runs(team, tmp_path, ove
     assert not (Path(cfg.run.root) / "store").exists()
 
 
+def test_the_infra_template_deploys_the_same_layout(team):
+    """infra/prefect.yaml, deployed with Prefect's own CLI, gives the pipeline, its watch flow and a stage deployment
+    for each pool."""
+    out = subprocess.run(PREFECT + ["--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all"],
+                         env={**team.env, "GPTFORGE_HOME": str(ROOT)}, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with team.api() as client:
+        names = {f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()}
+    assert {"gptforge-pipeline/nightly", "gptforge-watch/watch", "gptforge-stage/cpu", "gptforge-stage/gpu"} <= \
+        set(names)
+    assert names["gptforge-stage/gpu"].work_pool_name == "gpu"
+
+
 def test_zz_the_killed_pipeline_run_is_marked_crashed(team):
     """(Last in this module: by now the killed run's heartbeats have been missing for long enough.)"""
+    if not hasattr(team, "killed_pipeline"):
+        pytest.skip("needs test_stages_run_on_their_pools_and_outlive_the_pipeline first")
     with team.api() as client:
         state = wait_for(lambda: (s := client.read_flow_run(team.killed_pipeline).state).is_final() and s, 240,
                          "the automation to mark the killed run Crashed", poll=2)
