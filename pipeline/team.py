@@ -4,9 +4,10 @@ checks a run makes before anything starts.
 With `run.work_pools`, a stage runs as a flow run of the `gptforge-stage` deployment of its pool
 (`gptforge-stage/<pool>`, created by `gptforge deploy`), started by the pipeline flow with `run_deployment` as its
 subflow. It runs on that pool's worker, in a process of its own: the pipeline's flow process can die and the stage
-trains on. A pipeline that asks for a stage output already being computed (its fingerprint's tag on a flow run that
-has not finished) joins that flow run rather than starting a second one; the idempotency key (the fingerprint and
-the number of earlier, finished attempts) makes two pipelines asking at the same moment create one.
+trains on. A pipeline that asks for a stage output already being computed (the output's tag, its fingerprint in
+this stage store, on a flow run that has not finished) joins that flow run rather than starting a second one; the
+idempotency key (that tag and the number of earlier, finished attempts) makes two pipelines asking at the same
+moment create one.
 
 Slots: a stage holds `distributed.nnodes x nproc_per_node` slots of the global concurrency limit `run.slots` while
 its processes run (a single-process evaluation one; tokenizing none), through Prefect's leases, which the server
@@ -18,11 +19,13 @@ such limit on it, stages take no slots.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import ConfigError, UserError
@@ -151,8 +154,9 @@ def gpu_slots(cfg: PipelineConfig, step: str, log: Callable[[str], None]):
 
 # --- stages on work pools ---------------------------------------------------------------------------------------
 
-def fingerprint_tag(fingerprint: str) -> str:
-    return f"gptforge-fp:{fingerprint[:16]}"
+def output_tag(out_dir: Path) -> str:
+    """What marks the flow runs that compute one stage output: its fingerprint in one stage store (one run.root)."""
+    return f"gptforge-output:{hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:16]}"
 
 
 def stage_runs(client, tag: str, final: bool) -> list:
@@ -186,7 +190,7 @@ def run_on_pool(cfg: PipelineConfig, step: str, recompute: bool, log: Callable[[
     from gptforge.pipeline.store import RunRecord, locate, now, read_manifest
 
     out_dir, fingerprint, _ = locate(cfg, step)
-    pool, tag = pool_of(cfg, step), fingerprint_tag(fingerprint)
+    pool, tag = pool_of(cfg, step), output_tag(out_dir)
     if not recompute and (manifest := read_manifest(out_dir)) is not None:  # nothing for a worker to do
         log(f"{step}: reused complete output {out_dir} (fingerprint {fingerprint[:16]})")
         RunRecord(cfg).update(step, output=str(out_dir), action="reused", status="complete", started_at=now(),
@@ -203,7 +207,7 @@ def run_on_pool(cfg: PipelineConfig, step: str, recompute: bool, log: Callable[[
                 f"{STAGE_FLOW}/{pool}", timeout=0, flow_run_name=f"{step} · {cfg.run.name}",
                 parameters={"config": cfg.model_dump(mode="json"), "step": step, "recompute": recompute},
                 tags=[tag, f"gptforge-step:{step}", f"gptforge-run:{cfg.run.name}"],
-                idempotency_key=f"{fingerprint}:{attempts}:{int(recompute)}",
+                idempotency_key=f"{tag}:{attempts}:{int(recompute)}",
                 job_variables={"working_dir": os.getcwd()}), _started
             log(f"{step}: flow run {run.name} ({run.id}) on work pool {pool!r}")
         with _lock:

@@ -202,26 +202,36 @@ def overlap(a: dict, b: dict) -> bool:
     return a[start] < b[end] and b[start] < a[end]
 
 
-def test_two_pipelines_share_two_slots_without_overlapping(team, tmp_path):
-    """Two in-process pipelines against the server (no pools): each pretraining takes both slots (2 processes),
-    so one waits, showing `Waiting for slots` as its flow run's state, and neither fails."""
-    cfgs, procs = [], []
-    for name in ("slots-a", "slots-b"):
-        cfg, path = config(tmp_path / name, *PIPE, f"run.name={name}")
-        cfgs.append(cfg)
-        procs.append(team.start(name, GPTFORGE + ["run", "-c", str(path)]))
-    with team.api() as client:
-        def waiting():
-            runs = [pipeline_run_of(client, n) for n in ("slots-a", "slots-b")]
-            return any(r is not None and r.state_name == "Waiting for slots" for r in runs)
+def test_three_pipelines_share_two_slots_without_overlapping(team, tmp_path):
+    """Three pipelines of one config in three roots against the server: one in its own process, two with their
+    stages on the pools. Each pretraining takes both slots (2 processes), so two of them wait, showing `Waiting for
+    slots` as the state of their flow run, and none fails; each writes its own root's stage store."""
+    from itertools import combinations
 
-        wait_for(lambda: waiting() or all(p.poll() is not None for p in procs), 400, "a pipeline waiting for slots")
-        assert waiting(), "neither pipeline was seen waiting for slots"
-        wait_for(lambda: all(p.poll() is not None for p in procs), 400, "both pipelines")
-    assert [p.returncode for p in procs] == [0, 0], team.log("slots-a") + team.log("slots-b")
-    a, b = (record(c)["stages"]["pretrain"] for c in cfgs)
-    assert a["status"] == b["status"] == "complete" and not overlap(a, b), (a, b)
-    assert "waiting for 2 of the 2 slots" in team.log("slots-a", tail=None) + team.log("slots-b", tail=None)
+    runs = {"slots-a": [], "slots-b": POOLS, "slots-c": POOLS}
+    cfgs, procs = {}, {}
+    for name, extra in runs.items():
+        cfg, path = config(tmp_path / name, *PIPE, *extra, f"run.name={name}")
+        cfgs[name], procs[name] = cfg, team.start(name, GPTFORGE + ["run", "-c", str(path)])
+    seen = set()
+    with team.api() as client:
+        def watch():
+            for name in runs:
+                pipeline = pipeline_run_of(client, name)
+                flows = [pipeline] + [r for v in stage_runs(client, name).values() for r in v] if pipeline else []
+                seen.update(name for r in flows if r.state_name == "Waiting for slots")
+            return all(p.poll() is not None for p in procs.values())
+
+        wait_for(watch, 600, "the three pipelines", poll=0.3)
+    assert [p.returncode for p in procs.values()] == [0, 0, 0], "".join(team.log(n) for n in runs)
+    stages = {n: record(c)["stages"]["pretrain"] for n, c in cfgs.items()}
+    for a, b in combinations(stages.values(), 2):
+        assert not overlap(a, b), (a, b)
+    assert len(seen) >= 2, f"seen waiting for slots: {seen}"  # two of the three waited, and showed it
+    for name, cfg in cfgs.items():  # the same fingerprints, but each root's own outputs
+        assert stages[name]["output"] == str(locate(cfg, "pretrain")[0]) and stages[name]["status"] == "complete"
+    assert "waiting for 2 of the 2 slots" in "".join(team.log(n, tail=None) for n in runs) + \
+        team.log("worker-gpu", tail=None)
 
 
 def test_approval_gate_approved_then_rejected(team, tmp_path):

@@ -1,0 +1,194 @@
+"""gptforge on a team's Prefect server as a person sees it in the UI, driven in a real headless browser.
+
+    apt-get install -y chromium chromium-driver          # once (the OS packages; nothing is downloaded)
+    .venv/bin/pip install -c constraints.txt -e ".[browser]"   # selenium
+    .venv/bin/python bench/team_ui.py [--out DIR]
+
+Starts a Prefect server on 127.0.0.1 (its own PREFECT_HOME), `gptforge deploy --slots 2` of a config that runs
+tokenize on a `cpu` pool and pretrain on a `gpu` pool, and a process worker for each. Then:
+1. pipeline A, gated by `run.approve_before: [pretrain]`, pauses after tokenize, while pipeline B's pretrain takes
+   both slots: the browser opens A's run page, finds the Resume button, opens the approval form (the metrics of
+   tokenize in its description), ticks approve, writes a note and submits it;
+2. A's pretrain then waits for B's slots: the browser finds its stage run in the state `Waiting for slots`;
+3. once A is done, its run page lists its child stage runs (tokenize and pretrain, on their pools).
+Saves approval-form.png, waiting-for-slots.png and child-runs.png to --out, and exits non-zero naming what was not
+seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_browser import api, browser, free_port, wait_healthy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["sft.enabled=false", "reward.enabled=false", "preference.enabled=false", "pretrain.eval_every=100",
+         "pretrain.seq_len=64", "pretrain.micro_batch_size=8", "pretrain.global_batch_size=16",
+         "data.demo.pretrain_docs=3000", "tokenizer.vocab_size=320", "model.n_layer=2",
+         "run.work_pools={tokenize: cpu, pretrain: gpu}", "run.default_work_pool=cpu"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def wait(what: str, predicate, timeout: float = 300, poll: float = 1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    sys.exit(f"FAIL: timed out waiting for {what}")
+
+
+def flow_runs(api_url: str, flow: str) -> list[dict]:
+    return api(api_url, "/flow_runs/filter", {"flows": {"name": {"any_": [flow]}}, "limit": 200})
+
+
+def pipeline_run(api_url: str, name: str) -> dict | None:
+    runs = [r for r in flow_runs(api_url, "gptforge-pipeline")
+            if r["parameters"].get("config", {}).get("run", {}).get("name") == name]
+    return runs[0] if runs else None
+
+
+def page_text(driver) -> str:
+    return driver.execute_script("return document.body.innerText")
+
+
+def wait_text(driver, needle: str, timeout: float = 60) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if needle in page_text(driver):
+            return True
+        time.sleep(1)
+    return False
+
+
+def click_text(driver, text: str, tags: str = "button") -> bool:
+    """Click the first visible element of `tags` whose text is `text`."""
+    return driver.execute_script(
+        "const els = [...document.querySelectorAll(arguments[1])].filter(e => e.offsetParent !== null"
+        " && e.innerText.trim().startsWith(arguments[0])); if (els.length) { els[0].click(); return true }"
+        " return false", text, tags)
+
+
+def approve_in_the_form(driver, ui: str, run: dict, out: Path, seen: dict) -> None:
+    driver.get(f"{ui}/runs/flow-run/{run['id']}")
+    seen["paused shown"] = wait_text(driver, "Paused")
+    if not click_text(driver, "Resume"):
+        return
+    seen["form describes the gate"] = wait_text(driver, "Start pretrain", timeout=30)
+    seen["form shows tokenize's metrics"] = "tokens" in page_text(driver)
+    driver.save_screenshot(str(out / "approval-form.png"))
+    ticked = driver.execute_script(
+        "const box = [...document.querySelectorAll('input[type=checkbox], [role=switch], [role=checkbox]')]"
+        ".find(e => e.offsetParent !== null); if (box) { box.click(); return true } return false")
+    typed = driver.execute_script(
+        "const area = [...document.querySelectorAll('textarea, input[type=text]')].find(e => e.offsetParent !== null);"
+        " if (!area) return false; const set = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(area), 'value')"
+        ".set; set.call(area, 'tokens look right'); area.dispatchEvent(new Event('input', {bubbles: true}));"
+        " return true")
+    seen["approved in the browser"] = bool(ticked and typed and click_text(driver, "Submit"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/team-ui"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gptforge-team-ui-"))
+    port = free_port()
+    ui, api_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": api_url,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_API_URL": api_url}
+    procs = []
+
+    def start(name: str, cmd: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(work / f"{name}.log", "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    gptforge = [sys.executable, "-m", "gptforge.pipeline.cli"]
+    config = ["-c", str(ROOT / "configs" / "tiny.yaml")]
+    seen: dict[str, bool] = {}
+    try:
+        wait_healthy(api_url, start("server", [sys.executable, "-m", "prefect", "server", "start", "--host",
+                                               "127.0.0.1", "--port", str(port)]))
+        subprocess.run(gptforge + ["deploy", *config, *sets(*SMALL, f"run.root={work / 'deploy'}"), "--slots", "2"],
+                       env=env, check=True, cwd=ROOT)
+        for pool in ("cpu", "gpu"):
+            start(f"worker-{pool}", [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type",
+                                     "process"])
+        print(f"Prefect UI at {ui}; pipelines A (gated before pretrain) and B start", flush=True)
+        a = start("pipeline-a", gptforge + ["run", *config, *sets(*SMALL, f"run.root={work / 'a'}", "run.name=a",
+                                                                    "run.approve_before=[pretrain]",
+                                                                    "pretrain.max_steps=60")])
+        b = start("pipeline-b", gptforge + ["run", *config, *sets(*SMALL, f"run.root={work / 'b'}", "run.name=b",
+                                                                    "pretrain.max_steps=1000")])
+        paused = wait("A to pause at its gate", lambda: (r := pipeline_run(api_url, "a")) and
+                      r["state_type"] == "PAUSED" and r, timeout=400)
+        wait("B's pretrain to hold both slots", lambda: api(api_url, "/v2/concurrency_limits/gptforge-gpus")
+             ["active_slots"] == 2, timeout=400)
+        driver = browser()
+        try:
+            approve_in_the_form(driver, ui, paused, args.out, seen)
+            if not seen.get("approved in the browser"):
+                print("the form could not be filled in; approving through the API", flush=True)
+                api(api_url, f"/flow_runs/{paused['id']}/resume",
+                    {"run_input": {"approve": True, "note": "tokens look right"}})
+            # B's pretrain holds both slots: A's, approved, waits for them
+            waiting = wait("a stage run waiting for slots", lambda: next(
+                (r for r in flow_runs(api_url, "gptforge-stage") if r["state_name"] == "Waiting for slots"), None),
+                timeout=400, poll=0.5)
+            driver.get(f"{ui}/runs/flow-run/{waiting['id']}")
+            seen["a stage shown waiting for slots"] = wait_text(driver, "Waiting for slots", timeout=30)
+            driver.save_screenshot(str(args.out / "waiting-for-slots.png"))
+            a.wait(900)
+            seen["A finished"] = a.returncode == 0
+            driver.get(f"{ui}/runs/flow-run/{paused['id']}")
+            driver.set_window_size(1400, 1600)
+            children = {r["id"]: r["name"] for r in flow_runs(api_url, "gptforge-stage")
+                        if "gptforge-run:a" in r["tags"]}
+            seen["A's child stage runs: tokenize and pretrain"] = sorted(children.values()) == ["pretrain · a",
+                                                                                              "tokenize · a"]
+            seen["its Subflow Runs tab opens"] = click_text(driver, "Subflow Runs", "button, a, [role=tab]")
+            seen["the tab links to each child run"] = bool(wait("the child runs' links", lambda: all(
+                driver.execute_script("return !!document.querySelector(`a[href*='${arguments[0]}']`)", i)
+                for i in children), timeout=60))
+            driver.save_screenshot(str(args.out / "child-runs.png"))
+        finally:
+            driver.quit()
+        b.wait(900)
+        seen["B finished"] = b.returncode == 0
+        record = json.loads((work / "a" / "a" / "run.json").read_text())
+        seen["the note reached run.json"] = record["stages"]["pretrain"].get("approval", {}).get("note") == \
+            "tokens look right"
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    for what, ok in seen.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    print(f"screenshots: {sorted(p.name for p in args.out.glob('*.png'))} in {args.out}; logs in {work}")
+    return 0 if seen and all(seen.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
