@@ -82,7 +82,7 @@ def click_text(driver, text: str, tags: str = "button") -> bool:
         " return false", text, tags)
 
 
-def approve_in_the_form(driver, ui: str, run: dict, out: Path, seen: dict) -> None:
+def approve_in_the_form(driver, ui: str, api_url: str, run: dict, out: Path, seen: dict) -> None:
     driver.get(f"{ui}/runs/flow-run/{run['id']}")
     seen["paused shown"] = wait_text(driver, "Paused")
     if not click_text(driver, "Resume"):
@@ -98,7 +98,11 @@ def approve_in_the_form(driver, ui: str, run: dict, out: Path, seen: dict) -> No
         " if (!area) return false; const set = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(area), 'value')"
         ".set; set.call(area, 'tokens look right'); area.dispatchEvent(new Event('input', {bubbles: true}));"
         " return true")
-    seen["approved in the browser"] = bool(ticked and typed and click_text(driver, "Submit"))
+    submitted = bool(ticked and typed and click_text(driver, "Submit"))
+    deadline = time.time() + 30
+    while submitted and time.time() < deadline and api(api_url, f"/flow_runs/{run['id']}")["state_type"] == "PAUSED":
+        time.sleep(1)
+    seen["approved in the browser"] = submitted and api(api_url, f"/flow_runs/{run['id']}")["state_type"] != "PAUSED"
 
 
 def main() -> int:
@@ -136,14 +140,14 @@ def main() -> int:
                                                                     "run.approve_before=[pretrain]",
                                                                     "pretrain.max_steps=60")])
         b = start("pipeline-b", gptforge + ["run", *config, *sets(*SMALL, f"run.root={work / 'b'}", "run.name=b",
-                                                                    "pretrain.max_steps=1000")])
+                                                                    "pretrain.max_steps=3000")])
         paused = wait("A to pause at its gate", lambda: (r := pipeline_run(api_url, "a")) and
                       r["state_type"] == "PAUSED" and r, timeout=400)
         wait("B's pretrain to hold both slots", lambda: api(api_url, "/v2/concurrency_limits/gptforge-gpus")
              ["active_slots"] == 2, timeout=400)
         driver = browser()
         try:
-            approve_in_the_form(driver, ui, paused, args.out, seen)
+            approve_in_the_form(driver, ui, api_url, paused, args.out, seen)
             if not seen.get("approved in the browser"):
                 print("the form could not be filled in; approving through the API", flush=True)
                 api(api_url, f"/flow_runs/{paused['id']}/resume",
@@ -163,11 +167,16 @@ def main() -> int:
                         if "gptforge-run:a" in r["tags"]}
             seen["A's child stage runs: tokenize and pretrain"] = sorted(children.values()) == ["pretrain · a",
                                                                                               "tokenize · a"]
-            seen["its Subflow Runs tab opens"] = click_text(driver, "Subflow Runs", "button, a, [role=tab]")
-            seen["the tab links to each child run"] = bool(wait("the child runs' links", lambda: all(
-                driver.execute_script("return !!document.querySelector(`a[href*='${arguments[0]}']`)", i)
-                for i in children), timeout=60))
+            seen["its Subflow Runs tab opens"] = click_text(driver, "Subflow Runs", "li.p-tab, [role=tab], button")
+            deadline, linked = time.time() + 60, False
+            while not linked and time.time() < deadline:
+                time.sleep(1)
+                linked = all(driver.execute_script("return !!document.querySelector(`a[href*='${arguments[0]}']`)", i)
+                             for i in children)
+            seen["the tab links to each child run"] = linked
             driver.save_screenshot(str(args.out / "child-runs.png"))
+            if not linked:
+                (args.out / "child-runs.html").write_text(driver.page_source)
         finally:
             driver.quit()
         b.wait(900)
