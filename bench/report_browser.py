@@ -72,17 +72,23 @@ def browser():
     return webdriver.Chrome(options=options, service=Service(driver_path))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/report-browser"))
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="gptforge-report-"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": f"{url}/api",
+def workspace(doc: str, out: str, prefix: str) -> tuple[Path, Path, int, dict]:
+    """(--out, created; a fresh work folder; a free port for the server; the environment of a server on it with its
+    own PREFECT_HOME in the work folder, and of its clients)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(out))
+    out_dir = parser.parse_args().out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work, port = Path(tempfile.mkdtemp(prefix=prefix)), free_port()
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1"}
+    return out_dir, work, port, env
+
+
+def main() -> int:
+    out, work, port, env = workspace(__doc__, "runs/report-browser", "gptforge-report-")
+    url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
                                str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
@@ -114,7 +120,7 @@ def main() -> int:
             links = driver.execute_script(
                 "return [...document.querySelectorAll('a')].map(a => [a.textContent, a.href])"
                 ".filter(a => a[1].startsWith('file://'))")
-            driver.save_screenshot(str(args.out / "report.png"))
+            driver.save_screenshot(str(out / "report.png"))
         finally:
             driver.quit()
     finally:
@@ -125,7 +131,7 @@ def main() -> int:
     print(f"page: {page}")
     print(f"plots in the report: {names}; images the browser loaded: {loaded}")
     print(f"links to outputs: {[text for text, _ in links]}")
-    print(f"screenshot: {args.out / 'report.png'}")
+    print(f"screenshot: {out / 'report.png'}")
     if sorted(loaded) != sorted(names):
         print(f"FAIL: the plots that did not load: {sorted(set(names) - set(loaded))}", file=sys.stderr)
         return 1

@@ -17,18 +17,16 @@ seen.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_browser import api, browser, free_port, wait_healthy  # noqa: E402
+from report_browser import api, browser, wait_healthy, workspace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["sft.enabled=false", "reward.enabled=false", "preference.enabled=false", "pretrain.eval_every=100",
@@ -106,16 +104,9 @@ def approve_in_the_form(driver, ui: str, api_url: str, run: dict, out: Path, see
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/team-ui"))
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="gptforge-team-ui-"))
-    port = free_port()
+    out, work, port, env = workspace(__doc__, "runs/team-ui", "gptforge-team-ui-")
     ui, api_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": api_url,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_API_URL": api_url}
+    env.update(PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_UI_API_URL=api_url)
     procs = []
 
     def start(name: str, cmd: list[str]) -> subprocess.Popen:
@@ -147,7 +138,7 @@ def main() -> int:
              ["active_slots"] == 2, timeout=400)
         driver = browser()
         try:
-            approve_in_the_form(driver, ui, api_url, paused, args.out, seen)
+            approve_in_the_form(driver, ui, api_url, paused, out, seen)
             if not seen.get("approved in the browser"):
                 print("the form could not be filled in; approving through the API", flush=True)
                 api(api_url, f"/flow_runs/{paused['id']}/resume",
@@ -158,7 +149,7 @@ def main() -> int:
                 timeout=400, poll=0.5)
             driver.get(f"{ui}/runs/flow-run/{waiting['id']}")
             seen["a stage shown waiting for slots"] = wait_text(driver, "Waiting for slots", timeout=30)
-            driver.save_screenshot(str(args.out / "waiting-for-slots.png"))
+            driver.save_screenshot(str(out / "waiting-for-slots.png"))
             a.wait(900)
             seen["A finished"] = a.returncode == 0
             driver.get(f"{ui}/runs/flow-run/{paused['id']}")
@@ -174,9 +165,9 @@ def main() -> int:
                 linked = all(driver.execute_script("return !!document.querySelector(`a[href*='${arguments[0]}']`)", i)
                              for i in children)
             seen["the tab links to each child run"] = linked
-            driver.save_screenshot(str(args.out / "child-runs.png"))
+            driver.save_screenshot(str(out / "child-runs.png"))
             if not linked:
-                (args.out / "child-runs.html").write_text(driver.page_source)
+                (out / "child-runs.html").write_text(driver.page_source)
         finally:
             driver.quit()
         b.wait(900)
@@ -195,7 +186,7 @@ def main() -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
     for what, ok in seen.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
-    print(f"screenshots: {sorted(p.name for p in args.out.glob('*.png'))} in {args.out}; logs in {work}")
+    print(f"screenshots: {sorted(p.name for p in out.glob('*.png'))} in {out}; logs in {work}")
     return 0 if seen and all(seen.values()) else 1
 
 
