@@ -7,6 +7,8 @@ before a stage starts: a complete output with the stage's fingerprint (and intac
 otherwise the stage runs, resuming from its own step checkpoints if it has any.
 """
 
+import os
+import socket
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -66,9 +68,15 @@ def run_here(cfg: PipelineConfig, stage: str, config_path: Path, log, recompute:
 
 
 @flow(name=STAGE_FLOW, log_prints=True)
-def stage_flow(config: PipelineConfig, step: str, recompute: bool = False) -> dict:
+def stage_flow(config: PipelineConfig, step: str, recompute: bool = False, workdir: str | None = None) -> dict:
     """One step of a pipeline, on a work pool's worker (started by the pipeline flow through `gptforge-stage/<pool>`):
-    reused, resumed or computed through the stage store, which every worker shares."""
+    reused, resumed or computed through the stage store, which every worker shares. `workdir`, the pipeline's
+    folder, is where relative paths in the config are read from, where this worker has it."""
+    if workdir and Path(workdir).is_dir():
+        os.chdir(workdir)
+    if not Path(config.run.root).is_dir():
+        raise UserError(f"run.root {config.run.root} is not on this worker ({socket.gethostname()}): put it on a "
+                        "filesystem every worker and the pipeline mount at the same path")
     record = RunRecord(config)
     path = record.dir / "stages" / f"{step}.yaml"
     path.parent.mkdir(exist_ok=True)
@@ -156,6 +164,11 @@ def run_steps(config: PipelineConfig, stages: list[str], config_path: str, recom
     except BaseException:  # cancelled (SIGTERM), interrupted: no stage outlives the run that started it
         cancel_children(f"pipeline run {config.run.name} was cancelled")
         kill_running()
+        for future in running.values():  # each records itself cancelled; what it raised is not this run's end
+            try:
+                future.wait(timeout=30)
+            except BaseException:  # noqa: BLE001
+                pass
         raise
     errors = [e for e in failed.values() if e is not None]
     if errors:

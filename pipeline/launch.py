@@ -128,12 +128,14 @@ def wait_listening(address: tuple[str, int], proc: subprocess.Popen, timeout: fl
 
 
 _running: set[subprocess.Popen] = set()  # every stage process group this process has started and not yet reaped
+_killed: set[subprocess.Popen] = set()  # those kill_running ended
 
 
 def kill_running() -> None:
     """Kill every stage process group this process started (its flow was cancelled while stages ran in threads,
-    where no signal reaches them)."""
+    where no signal reaches them); the stages they belong to end as cancelled."""
     for proc in list(_running):
+        _killed.add(proc)
         kill_group(proc)
 
 
@@ -200,6 +202,8 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
                 if rc != 0:
                     for other in procs:
                         kill_group(other)
+                    if proc in _killed:  # by kill_running: this run was cancelled, it did not fail
+                        raise Terminated("the run was cancelled")
                     return rc
         return 0
     except BaseException:
@@ -208,6 +212,7 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
         raise
     finally:
         _running.difference_update(procs)
+        _killed.difference_update(procs)
         selector.close()
         for guard in guards:
             guard.kill()

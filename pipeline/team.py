@@ -203,12 +203,14 @@ def run_on_pool(cfg: PipelineConfig, step: str, recompute: bool, log: Callable[[
             log(f"{step}: joining flow run {run.name} ({run.id}), already computing {out_dir}")
         else:
             attempts = len(stage_runs(client, tag, final=True))
+            root = str(Path(cfg.run.root).resolve())  # the stage store, at the same path on every worker
+            shared = cfg.model_copy(update={"run": cfg.run.model_copy(update={"root": root})})
             run, mine = run_deployment(
                 f"{STAGE_FLOW}/{pool}", timeout=0, flow_run_name=f"{step} · {cfg.run.name}",
-                parameters={"config": cfg.model_dump(mode="json"), "step": step, "recompute": recompute},
+                parameters={"config": shared.model_dump(mode="json"), "step": step, "recompute": recompute,
+                            "workdir": os.getcwd()},
                 tags=[tag, f"gptforge-step:{step}", f"gptforge-run:{cfg.run.name}"],
-                idempotency_key=f"{tag}:{attempts}:{int(recompute)}",
-                job_variables={"working_dir": os.getcwd()}), _started
+                idempotency_key=f"{tag}:{attempts}:{int(recompute)}"), _started
             log(f"{step}: flow run {run.name} ({run.id}) on work pool {pool!r}")
         with _lock:
             mine.add(run.id)
