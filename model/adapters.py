@@ -101,6 +101,17 @@ def disabled(model):
     return model.disable_adapter() if is_peft(model) else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def as_reference(policy, reference):
+    """The model that scores as the reference, for the block: `reference`, or, when it is None
+    (gptforge.model.pretrained.reference_is_policy), the policy with its adapters disabled."""
+    if reference is not None:
+        yield reference
+        return
+    with disabled(policy):
+        yield policy
+
+
 def _gathered(params):
     import deepspeed
 

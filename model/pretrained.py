@@ -164,6 +164,12 @@ def load_policy(path: Path, cfg, bf16: bool):
                 checkpointing=cfg.distributed.activation_checkpointing)
 
 
+def reference_is_policy(cfg) -> bool:
+    """Whether the preference stages' reference is the policy itself with its adapters disabled (preference.lora,
+    no preference.reference): then no second copy is loaded."""
+    return bool(cfg.preference.lora.r) and not cfg.preference.reference
+
+
 def start_model(cfg, inputs: dict[str, Path]) -> Path:
     """The model SFT starts from (and eval-sft compares with): the pretrain stage's output when the pipeline
     pretrains, else model.pretrained (a hub snapshot or a local directory)."""

@@ -30,7 +30,7 @@ from gptforge.core.errors import UserError
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows, positions
 from gptforge.data.loader import DistributedOrder
-from gptforge.model.adapters import disabled, quantization, wrap
+from gptforge.model.adapters import as_reference, quantization, wrap
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
@@ -41,7 +41,7 @@ from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
-from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir
+from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
 from gptforge.stages.cli import main
 
 OUTPUTS = MODEL_OUTPUTS
@@ -142,8 +142,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         actor = load_policy(sft_dir, cfg, bf16)
         critic = wrap(build_critic(critic_dir, oc.reward_model_weight, dtype=dtype, **quantization(lora, dtype)),
                       lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
-        # with adapters the reference is the actor with its adapters disabled: no second copy
-        ref = None if lora.r and not pc.reference else frozen(
+        ref = None if reference_is_policy(cfg) else frozen(
             AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs)), actor_config, device)
         reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(reward_dir), actor_config, device)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
@@ -173,11 +172,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         gen_seconds = time.perf_counter() - t0
         with torch.no_grad():
             old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P)
-            if ref is None:  # adapters: the reference is the actor without them
-                with disabled(actor_engine):
-                    ref_logp, _ = policy_logprobs(actor_engine, seqs, attention, P)
-            else:
-                ref_logp, _ = policy_logprobs(ref, seqs, attention, P)
+            with as_reference(actor_engine, ref) as reference:
+                ref_logp, _ = policy_logprobs(reference, seqs, attention, P)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
             rm_score = torch.tensor(reward_scores(reward_model, reward_tokenizer, batch, texts), device=device)
