@@ -274,7 +274,3 @@ class RunRecord:
             self.data = self._read() or self.data
             (self.data["stages"].setdefault(stage, {}) if stage else self.data).update(fields)
             write_json_atomic(self.path, self.data)
-
-    def save(self) -> None:
-        with self._locked():
-            write_json_atomic(self.path, self.data)
