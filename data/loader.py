@@ -76,3 +76,13 @@ def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n_batches: 
                          f"fewer than one micro-step of {micro_batch}x{world}")
     for start in range(rank * micro_batch, total, micro_batch * world):
         yield _windows(tokens, seq_len, range(start, start + micro_batch))
+
+
+def document_positions(x: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids of (B, T) windows that restart at 0 after each end-of-text token: the token after an eos
+    starts a document, the eos itself ends the one before."""
+    idx = torch.arange(x.size(1), device=x.device).expand_as(x)
+    starts = torch.zeros_like(x, dtype=torch.bool)
+    starts[:, 1:] = x[:, :-1] == eos_id
+    start_of = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_of

@@ -9,11 +9,16 @@ import torch
 from gptforge.core.presets import Arch
 
 
-def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | None = None):
+def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | None = None, model_cfg=None):
     """A GPT2Config (learned positions, pre-LN, GELU, scaled residual init), LlamaConfig (RoPE, RMSNorm, SwiGLU,
-    GQA) or MixtralConfig (Llama's attention, top-k routed SwiGLU experts whose router's load-balancing loss the
-    model returns as `aux_loss`) for this architecture, with SDPA attention."""
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+    GQA; MistralConfig, the same with a window, when the model section sets a sliding window) or MixtralConfig
+    (Llama's attention, top-k routed SwiGLU experts whose router's load-balancing loss the model returns as
+    `aux_loss`) for this architecture, with the model section's attention (`gptforge.model.attention`: the
+    kernel, RoPE scaling, windows, the preset's attention pattern)."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, MixtralConfig
+
+    from gptforge.core.config import ModelSection
+    from gptforge.model.attention import configure
 
     # Special-token ids come from the tokenizer; GPT2Config's defaults (50256) may not exist in it.
     tokens = tokens or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -31,9 +36,15 @@ def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | 
         if arch.is_moe:
             cfg = MixtralConfig(**common, num_local_experts=arch.n_experts, num_experts_per_tok=arch.experts_per_token,
                                 output_router_logits=True, router_aux_loss_coef=0.01)  # Mixtral's coefficient
+        elif model_cfg is not None and model_cfg.sliding_window is not None:
+            cfg = MistralConfig(**common)
         else:
             cfg = LlamaConfig(**common)
-    cfg._attn_implementation = "sdpa"
+    section = model_cfg or ModelSection()
+    # The preset's pattern unless the section overrides it (arch already holds the overrides).
+    section = section.model_copy(update={"attention_pattern": arch.attention_pattern,
+                                         "local_window": arch.local_window})
+    cfg._attn_implementation = configure(cfg, section)
     return cfg
 
 
@@ -46,11 +57,22 @@ def arch_of(config) -> Arch:
                 n_kv_head=getattr(config, "num_key_value_heads", None),
                 intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None),
                 n_experts=getattr(config, "num_local_experts", None),
-                experts_per_token=getattr(config, "num_experts_per_tok", None))
+                experts_per_token=getattr(config, "num_experts_per_tok", None),
+                **window_of(config))
+
+
+def window_of(config) -> dict:
+    """The attention pattern and band of a transformers config: ours (attention_pattern, local_window), or a
+    native sliding window on every layer."""
+    if getattr(config, "attention_pattern", None):
+        return {"attention_pattern": config.attention_pattern, "local_window": config.local_window}
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return {"attention_pattern": "sliding", "local_window": config.sliding_window}
+    return {}
 
 
 def context_of(config) -> int:
-    """A transformers config's context length."""
+    """A transformers config's context length (after RoPE scaling: max_position_embeddings is the scaled one)."""
     return getattr(config, "n_positions", None) or config.max_position_embeddings
 
 
@@ -59,15 +81,15 @@ def _llama_mlp(d: int) -> int:
 
 
 def build_model(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | None = None,
-                zero3: dict | None = None):
+                zero3: dict | None = None, model_cfg=None):
     """A freshly initialised causal LM. GPT-2 init already scales residual projections by 1/sqrt(2*n_layer).
     `zero3`: a ZeRO-3 DeepSpeed config, to build it partitioned (deepspeed.zero.Init: each module partitioned as
     soon as it is built, no rank ever holding the whole model) with the same weights as without ZeRO-3."""
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    config = hf_config(arch, vocab_size, dropout, tokens)
+    config = hf_config(arch, vocab_size, dropout, tokens, model_cfg)
     if zero3 is None:
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     from unittest.mock import patch
 
     import deepspeed
@@ -82,7 +104,7 @@ def build_model(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict 
     # (transformers' own ZeRO-3 build skips the first and initialises on rank 0 only: other draws, other weights.)
     with patch.object(PreTrainedModel, "init_weights", init_weights), prevent_arange_dtype_change(), \
             deepspeed.zero.Init(config_dict_or_path=zero3):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
 
 
 @torch.no_grad()

@@ -137,7 +137,7 @@ def positions_from_mask(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def use_reference(trainer, path: Path) -> None:
+def use_reference(trainer, path: Path, model_cfg=None) -> None:
     """Make the model at `path` (preference.reference) the reference of a TRL GRPO or RLOO trainer, which otherwise
     builds its own from the policy's start (or, with adapters, disables them): loaded (partitioned under ZeRO-3,
     as the trainer's arguments set it up), given TRL's fused LM head and prepared as TRL prepares its own."""
@@ -145,7 +145,9 @@ def use_reference(trainer, path: Path) -> None:
     from trl.models.utils import prepare_deepspeed
     from trl.trainer.utils import add_fused_lm_head
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype)
+    from gptforge.model.attention import load_kwargs
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype, **load_kwargs(path, model_cfg))
     add_fused_lm_head(ref, temperature=trainer.temperature,
                       cast_lm_head_to_fp32=getattr(trainer.args, "cast_lm_head_to_fp32", False))
     trainer.ref_model = prepare_deepspeed(ref, trainer.accelerator)

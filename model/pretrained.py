@@ -148,10 +148,12 @@ def load_causal_lm(path: Path, model_cfg, bf16: bool, lora=None, **kwargs):
     from transformers import AutoModelForCausalLM
 
     from gptforge.model.adapters import quantization
+    from gptforge.model.attention import load_kwargs
 
     dtype = load_dtype(model_cfg.dtype, bf16)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code,
-                                                **(quantization(lora, dtype) if lora else {}), **kwargs)
+                                                **(quantization(lora, dtype) if lora else {}),
+                                                **load_kwargs(path, model_cfg), **kwargs)
 
 
 def load_policy(path: Path, cfg, bf16: bool):

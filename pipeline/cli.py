@@ -237,7 +237,9 @@ def cmd_generate(args) -> int:
     if not (model_dir / "config.json").is_file():
         raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    from gptforge.model.attention import load_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(model_dir)).eval()
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
                                                add_generation_prompt=True)

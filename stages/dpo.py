@@ -21,6 +21,7 @@ from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
 
@@ -53,7 +54,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                      loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
     metrics = TrainerMetrics(out_dir / "logs")
     policy = load_policy(sft_dir, cfg, uses_bf16(dist, device))
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs)) if pc.reference else None
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs), **load_kwargs(
+        reference_dir(cfg, inputs), cfg.model)) if pc.reference else None
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():

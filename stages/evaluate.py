@@ -31,6 +31,7 @@ import torch
 
 from gptforge.core.config import ALGORITHMS, PipelineConfig
 from gptforge.data import loaders
+from gptforge.model.attention import load_kwargs
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import frozen, inference_config, partitioned, unwrap
 from gptforge.model.evaluate import (answers, policy_and_judge, preference_report, reference_metrics,
@@ -66,7 +67,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
     def load(cls, path: Path, fit: bool = False):  # held as training holds it: on the device, in its precision
         with partitioned(config):
-            model = cls.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+            model = cls.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code,
+                                        **load_kwargs(path, cfg.model))
             if fit:  # a base whose vocabulary SFT grew (a chat template's tokens): new rows around the old ones' mean
                 fit_embeddings(model, tokenizer)
             loaded.append(frozen(model, config, device))

@@ -57,7 +57,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     trainer = trainer_cls(model=policy, args=args, train_dataset=answered_dataset(pairs), processing_class=tokenizer,
                           callbacks=[metrics, Checkpoints()], **rewards)
     if pc.reference and pc.beta:
-        use_reference(trainer, reference_dir(cfg, inputs))
+        use_reference(trainer, reference_dir(cfg, inputs), cfg.model)
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
     with no_pickled_code():

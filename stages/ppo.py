@@ -41,6 +41,7 @@ from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
+from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
 from gptforge.stages.cli import main
 
@@ -77,7 +78,7 @@ def critic_values(critic, seqs, attention, P: int):
     return out[:, P - 1:-1, 0].float()
 
 
-def build_critic(start: Path, scale: float = 1.0, **kwargs):
+def build_critic(start: Path, scale: float = 1.0, model_cfg=None, **kwargs):
     """A token-level value model from `start`: a reward model's backbone with its scalar head applied to every
     token, scaled by the reward model's weight in the reward, so that the first values are on the reward's scale;
     a model without a reward head (a causal LM) gets a zero one. Inside `partitioned` (ZeRO-3) the critic loads
@@ -85,9 +86,10 @@ def build_critic(start: Path, scale: float = 1.0, **kwargs):
     import deepspeed
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(start, num_labels=1)
-    config.classifier_dropout = 0.0  # transformers' token classifiers default to 0.1: the values would be noisy
-    critic = AutoModelForTokenClassification.from_pretrained(start, config=config, **kwargs)
+    attention = load_kwargs(start, model_cfg, num_labels=1)
+    attention["config"].classifier_dropout = 0.0  # transformers' token classifiers default to 0.1: noisy values
+    critic = AutoModelForTokenClassification.from_pretrained(start, **attention, **kwargs)
+    config = critic.config
     head = critic.classifier if critic.config.model_type == "gpt2" else critic.score  # transformers' naming
     params = [p for p in (head.weight, head.bias) if p is not None]
     reward_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
@@ -140,11 +142,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     dtype = load_dtype(cfg.model.dtype, bf16)
     with partitioned(actor_config):  # ZeRO-3: all models partitioned as they load
         actor = load_policy(sft_dir, cfg, bf16)
-        critic = wrap(build_critic(critic_dir, oc.reward_model_weight, dtype=dtype, **quantization(lora, dtype)),
+        critic = wrap(build_critic(critic_dir, oc.reward_model_weight, cfg.model, dtype=dtype, **quantization(lora, dtype)),
                       lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
         ref = None if reference_is_policy(cfg) else frozen(
-            AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs)), actor_config, device)
-        reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(reward_dir), actor_config, device)
+            AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs), **load_kwargs(
+                reference_dir(cfg, inputs), cfg.model)), actor_config, device)
+        reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(
+            reward_dir, **load_kwargs(reward_dir, cfg.model)), actor_config, device)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))
     actor_engine, actor_sched, _ = init_engine(actor, actor_config, section, dist, elastic, verdict)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import DataError
-from gptforge.data.loader import TokenWindows, eval_batches
+from gptforge.data.loader import TokenWindows, document_positions, eval_batches
 from gptforge.data.shards import TokenStream, read_index
 from gptforge.model.adapters import wrap
 from gptforge.model.build import build_model, flops_per_token, parameter_counts, peak_flops
@@ -62,10 +62,19 @@ def check_enough(train, val, pc, world: int) -> None:
                 "pretrain.seq_len, pretrain.micro_batch_size or distributed.nproc_per_node")
 
 
+def model_inputs(x: torch.Tensor, pc, eos_id: int, device) -> dict:
+    """A window's model inputs: with pretrain.document_mask, position ids that restart after each end-of-text
+    token, and no cache built, so that attention stays within each document (transformers reads packed sequences
+    from the position ids: a block-diagonal mask for sdpa and eager, varlen for FlashAttention)."""
+    if not pc.document_mask:
+        return {"input_ids": x.to(device)}
+    return {"input_ids": x.to(device), "position_ids": document_positions(x, eos_id).to(device), "use_cache": False}
+
+
 @torch.no_grad()
-def evaluate(engine, val, pc, rank, world, device) -> float:
+def evaluate(engine, val, pc, rank, world, device, eos_id: int) -> float:
     engine.eval()
-    losses = [causal_lm_loss(engine(input_ids=x.to(device)).logits, y.to(device)).item()
+    losses = [causal_lm_loss(engine(**model_inputs(x, pc, eos_id, device)).logits, y.to(device)).item()
               for x, y in eval_batches(val, pc.seq_len, pc.micro_batch_size, pc.eval_batches, rank, world)]
     engine.train()
     return all_mean(sum(losses) / len(losses), device)
@@ -131,7 +140,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         for _ in range(grad_accum):
             x, y = loader.next()  # (B, T), (B, T)
             with startup_oom(dist, pc, active=step == first_step, verdict=verdict):
-                out = engine(input_ids=x.to(device))
+                out = engine(**model_inputs(x, pc, index["eos_id"], device))
                 loss, aux = causal_lm_loss(out.logits, y.to(device)), router_loss(out, engine.module.config)
                 engine.backward(loss if aux is None else loss + aux)
                 engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
@@ -152,7 +161,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                            f"{'n/a' if tps is None else f'{tps:,.0f}'} tok/s | "
                            f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}", file=sys.stderr)
         if step % pc.eval_every == 0 or step == pc.max_steps:
-            val_loss = evaluate(engine, val_tokens, pc, rank, world, device)
+            val_loss = evaluate(engine, val_tokens, pc, rank, world, device, index["eos_id"])
             log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
         if step % pc.save_every == 0 and step < pc.max_steps:
             save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, world,

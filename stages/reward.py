@@ -26,6 +26,7 @@ from gptforge.data import loaders
 from gptforge.data.chat import collate, encode_pairs
 from gptforge.data.loader import DistributedOrder
 from gptforge.model.adapters import quantization, wrap
+from gptforge.model.attention import load_kwargs
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
@@ -49,7 +50,7 @@ def rewards(engine, pairs: list[tuple[list[int], list[int]]], pad_id: int, devic
 
 
 def policy_pairs(sft_dir: Path, pairs: list[dict], n: int, temperature: float, max_new_tokens: int,
-                 seed: int, rank: int, world: int, device, ds_config: dict) -> tuple[list[dict], int]:
+                 seed: int, rank: int, world: int, device, ds_config: dict, model_cfg=None) -> tuple[list[dict], int]:
     """Comparisons of the SFT model's own answers (as InstructGPT trains its reward model on the policy's
     samples; the demo's verifier is the labeller): one answer sampled for each of n distinct training
     prompts, and each wrong one paired, as rejected, with the prompt's known answer. The pairs the demo
@@ -63,7 +64,8 @@ def policy_pairs(sft_dir: Path, pairs: list[dict], n: int, temperature: float, m
     n = min(n, len(known))
     mine = random.Random(seed).sample(range(len(known)), n)[rank::world]
     with partitioned(ds_config):
-        policy = frozen(AutoModelForCausalLM.from_pretrained(sft_dir), ds_config, device)
+        policy = frozen(AutoModelForCausalLM.from_pretrained(sft_dir, **load_kwargs(sft_dir, model_cfg)), ds_config,
+                        device)
     torch.manual_seed(seed + rank)  # the same samples on a rerun: resuming sees the same pairs
     answers = generate(unwrap(policy), tokenizer, [known[i][0] for i in mine], max_new_tokens, do_sample=True,
                        temperature=temperature, top_k=0, top_p=1.0, synced=ds_config["zero_optimization"]["stage"] == 3)
@@ -105,7 +107,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     ds_config = deepspeed_config(dist, rc, world, device, AutoConfig.from_pretrained(start).hidden_size)
     if rc.policy_samples:
         extra, sampled = policy_pairs(inputs["sft"] / "model", data.train, rc.policy_samples, rc.sample_temperature,
-                                      rc.sample_max_new_tokens, cfg.run.seed, rank, world, device, ds_config)
+                                      rc.sample_max_new_tokens, cfg.run.seed, rank, world, device, ds_config,
+                                      cfg.model)
         added = encode_pairs(tokenizer, extra, rc.max_length, "skip").examples
         train.examples += added
         if rank == 0:
@@ -121,9 +124,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     torch.manual_seed(cfg.run.seed)
     dtype = load_dtype(cfg.model.dtype, uses_bf16(dist, device))
     with partitioned(ds_config):
-        model = AutoModelForSequenceClassification.from_pretrained(start, num_labels=1, dtype=dtype,
+        model = AutoModelForSequenceClassification.from_pretrained(start, dtype=dtype,
                                                                    trust_remote_code=cfg.model.trust_remote_code,
-                                                                   **quantization(rc.lora, dtype))
+                                                                   **quantization(rc.lora, dtype),
+                                                                   **load_kwargs(start, cfg.model, num_labels=1))
         grown = fit_embeddings(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:

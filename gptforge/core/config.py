@@ -169,6 +169,49 @@ def size_in_bytes(size: str | int) -> int:
     return int(value)
 
 
+ATTENTION = ("auto", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "eager")
+# The fields each RoPE scaling type needs (transformers' own validation of rope_parameters), beyond `type`.
+ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                 "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+                 "longrope": ("factor", "original_max_position_embeddings", "short_factor", "long_factor")}
+
+
+class RopeSection(Section):
+    """RoPE scaling, written into the model's config as transformers names it (`rope_parameters`)."""
+
+    type: Literal["linear", "dynamic", "yarn", "llama3", "longrope"] = Setting(
+        description="Scaling: linear (position interpolation), dynamic (NTK), yarn, llama3, longrope.")
+    factor: float | None = Setting(None, ge=1, description="Context extension factor: the scaled context is "
+                                   "original_max_position_embeddings * factor.")
+    original_max_position_embeddings: int | None = Setting(None, ge=1, description="The context the model was "
+                                                           "trained at (default: its current context).")
+    attention_factor: float | None = Setting(None, gt=0, description="yarn/longrope: attention temperature.")
+    beta_fast: float | None = Setting(None, description="yarn: fast boundary of the ramp (default 32).")
+    beta_slow: float | None = Setting(None, description="yarn: slow boundary of the ramp (default 1).")
+    low_freq_factor: float | None = Setting(None, description="llama3: low-frequency factor (1 in Llama 3.1).")
+    high_freq_factor: float | None = Setting(None, description="llama3: high-frequency factor (4 in Llama 3.1).")
+    short_factor: list[float] | None = Setting(None, description="longrope: per-dimension factors below the "
+                                               "original context (head_dim/2 numbers).")
+    long_factor: list[float] | None = Setting(None, description="longrope: per-dimension factors beyond it.")
+
+    @model_validator(mode="after")
+    def _complete(self):
+        missing = [k for k in ROPE_REQUIRED[self.type] if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"RoPE type {self.type} needs {', '.join(missing)}")
+        return self
+
+    def parameters(self, context: int) -> dict:
+        """rope_parameters fields (transformers 5), for a model whose current context is `context`."""
+        out = {k: v for k, v in self.model_dump(exclude={"type"}).items() if v is not None}
+        out.setdefault("original_max_position_embeddings", context)
+        return {"rope_type": self.type, **out}
+
+    def context(self, context: int) -> int:
+        """The context after scaling."""
+        return round((self.original_max_position_embeddings or context) * self.factor)
+
+
 class ModelSection(Section):
     pretrained: str | None = Setting(None, description="Start from this Hugging Face model (a hub name or a local "
                                      "directory) instead of a preset: architecture, weights and tokenizer are its own.")
@@ -192,12 +235,25 @@ class ModelSection(Section):
     experts_per_token: int | None = Setting(None, ge=1, description="Override the experts routed to each token "
                                             "(top-k; MoE presets).")
     dropout: float = Setting(0.0, ge=0, lt=1, description="Dropout on embeddings, attention and residuals.")
+    attention: Literal[ATTENTION] = Setting(
+        "auto", description="Attention kernel: sdpa, flash_attention_2/3, flex_attention, eager; auto: "
+        "flash_attention_2 on a GPU with flash-attn installed, else sdpa.")
+    rope: RopeSection | None = Setting(None, description="RoPE scaling {type, factor, ...} (Llama-style models): the "
+                                       "context becomes original_max_position_embeddings * factor.")
+    sliding_window: int | None = Setting(None, ge=1, description="Every layer attends over the last sliding_window "
+                                         "tokens only (Llama- and Mistral-style models).")
+    attention_pattern: Literal["dense", "alternating"] | None = Setting(
+        None, description="dense: full causal attention in every layer; alternating: full and banded (the last "
+        "local_window tokens) layers in turn (GPT-3); None: the preset's.")
+    local_window: int | None = Setting(None, ge=1, description="Width of the banded layers of attention_pattern "
+                                       "alternating (None: the preset's).")
     max_shard_size: str = Setting("5GB", same_result=True, description="Largest safetensors file of an exported "
                                   "model (bytes, or with a unit: 500MB, 5GB, 2GiB); larger models are sharded with "
                                   "an index file.")
 
     OVERRIDES: ClassVar[tuple[str, ...]] = ("n_layer", "n_head", "n_embd", "n_positions", "n_kv_head",
-                                            "intermediate_size", "n_experts", "experts_per_token")
+                                            "intermediate_size", "n_experts", "experts_per_token",
+                                            "attention_pattern", "local_window")
 
     def arch(self):
         """The preset with this section's overrides applied (vocab size comes from the tokenizer)."""
@@ -231,6 +287,10 @@ class ModelSection(Section):
             size_in_bytes(self.max_shard_size)
         except ValueError as e:
             raise ValueError(f"model.max_shard_size: {e}") from None
+        if not self.pretrained:
+            from gptforge.model.attention import check_context
+
+            check_context(a, self)
         if a.is_moe and a.experts_per_token > a.n_experts:
             raise ValueError(f"model.experts_per_token={a.experts_per_token} is more than the model's "
                              f"n_experts={a.n_experts}: each token is routed to experts_per_token of n_experts")
@@ -317,6 +377,8 @@ class TrainSection(Section):
 class PretrainSection(TrainSection):
     seq_len: int = Setting(96, ge=8, description="Training sequence length in tokens.")
     eval_batches: int = Setting(8, ge=1, same_result=True, description="Val batches per evaluation.")
+    document_mask: bool = Setting(False, description="Inside a window, attention and positions restart after each "
+                                  "end-of-text token (Llama 3, OLMo); false: windows attend across documents (GPT-2).")
     compile: bool = Setting(False, same_result=True, description="torch.compile the model (DeepSpeed engine.compile): "
                             "a slower first step, faster ones after; needs a C++ compiler on the CPU.")
 
@@ -503,9 +565,13 @@ class PipelineConfig(Section):
                 if not torch.cuda.is_available():
                     raise ValueError(f"{name}.lora.quantize={getattr(self, name).lora.quantize} loads the base "
                                      "through bitsandbytes, which needs a GPU; there is none here: set it to null")
-        if not self.model.pretrained and self.pretrain.seq_len > self.model.arch().n_positions:
+        context = self.model.arch().n_positions
+        if self.model.rope is not None:
+            context = self.model.rope.context(context)
+        if not self.model.pretrained and self.pretrain.seq_len > context:
             raise ValueError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds the model context "
-                             f"n_positions={self.model.arch().n_positions}")
+                             f"n_positions={context}" + ("" if self.model.rope else "; model.rope scaling (Llama-style "
+                                                         "models) extends it"))
         return self
 
 

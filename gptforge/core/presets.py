@@ -23,6 +23,8 @@ class Arch:
     intermediate_size: int | None = None  # MLP (each expert's) width; None: 4*n_embd (gpt2), ~8/3*n_embd (others)
     n_experts: int | None = None  # mixtral only
     experts_per_token: int | None = None  # mixtral only: top-k routing
+    attention_pattern: str = "dense"  # or "alternating": full and locally banded causal attention, layer by layer
+    local_window: int | None = None  # the banded layers' width (tokens back, the token itself included)
 
     @property
     def is_moe(self) -> bool:
@@ -37,7 +39,11 @@ class Arch:
 
 
 def _gpt3(n_layer, n_embd, n_head):
-    return Arch("gpt2", n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=2048)
+    # §2.1: "alternating dense and locally banded sparse attention patterns in the layers of the transformer,
+    # similar to the Sparse Transformer". The paper gives no band width; 256 is the Sparse Transformer's scale
+    # (a band of about sqrt(n) blocks) at a 2048 context.
+    return Arch("gpt2", n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=2048,
+                attention_pattern="alternating", local_window=256)
 
 
 PRESETS: dict[str, Arch] = {
