@@ -93,10 +93,11 @@ def check_context(arch, model_cfg) -> None:
     check(arch.family, arch.n_positions, model_cfg, arch.attention_pattern, arch.local_window)
 
 
-def configure(config, model_cfg) -> str:
+def configure(config, model_cfg, resolve_kernel: bool = True) -> str | None:
     """Write the model section's RoPE scaling, window and attention pattern into a transformers config (a
     preset's or a pretrained model's), in place, and return the attn_implementation to build or load it with.
-    Applied again to a config that already has them (a later stage reloading a model), it changes nothing."""
+    Applied again to a config that already has them (a later stage reloading a model), it changes nothing.
+    `resolve_kernel=False`: the config only (no kernel is looked for: the planner, on another machine)."""
     family = family_of(config)
     pattern = model_cfg.attention_pattern or getattr(config, "attention_pattern", None) or "dense"
     window = model_cfg.local_window or getattr(config, "local_window", None)
@@ -123,6 +124,8 @@ def configure(config, model_cfg) -> str:
             pattern, window = "sliding", model_cfg.sliding_window
     if pattern != "dense":
         config.attention_pattern, config.local_window = pattern, window
+    if not resolve_kernel:  # the shapes alone (the planner, on a machine that is not the one that trains)
+        return None
     base = kernel(model_cfg.attention)
     return register_banded(base) if pattern != "dense" else base
 

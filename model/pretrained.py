@@ -192,7 +192,10 @@ def architecture(model_cfg):
     path = model_dir(model_cfg.pretrained, model_cfg.revision)
     if not (path / "config.json").is_file():
         raise UserError(f"model.pretrained={model_cfg.pretrained!r}: no config.json in {path}")
+    from gptforge.model.attention import configure
+
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    configure(config, model_cfg, resolve_kernel=False)  # RoPE scaling, windows: the context the model will have
     return arch_of(config), config
 
 
