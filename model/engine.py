@@ -138,10 +138,12 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def init_engine(model, config: dict, train, dist, universal: bool = False, verdict: Callable[[], str] | None = None):
+def init_engine(model, config: dict, train, dist, universal: bool = False, verdict: Callable[[], str] | None = None,
+                mpu=None):
     """deepspeed.initialize with `config` (from deepspeed_config: AdamW, the section's batch), decay on matrices
     only and warmup+cosine lr; `universal`: to load a universal checkpoint (an elastic resume); `verdict`: the
-    planner's, for an out-of-memory message. Returns (engine, scheduler, gradient accumulation steps)."""
+    planner's, for an out-of-memory message; `mpu`: sequence-parallel groups (gptforge.model.sequence_parallel).
+    Returns (engine, scheduler, gradient accumulation steps)."""
     import deepspeed
 
     if universal:
@@ -149,7 +151,7 @@ def init_engine(model, config: dict, train, dist, universal: bool = False, verdi
     with startup_oom(dist, train, verdict=verdict):
         engine, _, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, train.weight_decay), config=config,
-            lr_scheduler=lambda opt: lr_schedule(opt, train))
+            lr_scheduler=lambda opt: lr_schedule(opt, train), mpu=mpu)
     return engine, scheduler, config["gradient_accumulation_steps"]
 
 

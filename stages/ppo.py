@@ -84,7 +84,7 @@ def build_critic(start: Path, scale: float = 1.0, model_cfg=None, **kwargs):
     a model without a reward head (a causal LM) gets a zero one. Inside `partitioned` (ZeRO-3) the critic loads
     partitioned and only its head is gathered to be set."""
     import deepspeed
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
     attention = load_kwargs(start, model_cfg, num_labels=1)
     attention["config"].classifier_dropout = 0.0  # transformers' token classifiers default to 0.1: noisy values
@@ -142,7 +142,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     dtype = load_dtype(cfg.model.dtype, bf16)
     with partitioned(actor_config):  # ZeRO-3: all models partitioned as they load
         actor = load_policy(sft_dir, cfg, bf16)
-        critic = wrap(build_critic(critic_dir, oc.reward_model_weight, cfg.model, dtype=dtype, **quantization(lora, dtype)),
+        critic = wrap(build_critic(critic_dir, oc.reward_model_weight, cfg.model, dtype=dtype,
+                                   **quantization(lora, dtype)),
                       lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
         ref = None if reference_is_policy(cfg) else frozen(
             AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs), **load_kwargs(

@@ -28,10 +28,12 @@ from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, startup_oom, uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_model
-from gptforge.model.losses import causal_lm_loss, router_loss
+from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
+from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 from gptforge.stages.cli import main
 
 OUTPUTS = MODEL_OUTPUTS
@@ -62,19 +64,26 @@ def check_enough(train, val, pc, world: int) -> None:
                 "pretrain.seq_len, pretrain.micro_batch_size or distributed.nproc_per_node")
 
 
-def model_inputs(x: torch.Tensor, pc, eos_id: int, device) -> dict:
-    """A window's model inputs: with pretrain.document_mask, position ids that restart after each end-of-text
-    token, and no cache built, so that attention stays within each document (transformers reads packed sequences
-    from the position ids: a block-diagonal mask for sdpa and eager, varlen for FlashAttention)."""
+def model_inputs(x: torch.Tensor, y: torch.Tensor, pc, eos_id: int, device, sp=None) -> tuple[dict, torch.Tensor]:
+    """A window's model inputs and targets: with pretrain.document_mask, position ids that restart after each
+    end-of-text token, and no cache built, so that attention stays within each document (transformers reads packed
+    sequences from the position ids: a block-diagonal mask for sdpa and eager, varlen for FlashAttention). Under
+    sequence parallelism (`sp`), this rank's slice of the tokens, with the whole window's positions."""
+    if sp is not None:
+        positions = torch.arange(x.size(1)).expand_as(x)
+        return ({"input_ids": sp.shard(x).to(device), "position_ids": sp.shard(positions).to(device),
+                 "use_cache": False}, sp.shard(y).to(device))
     if not pc.document_mask:
-        return {"input_ids": x.to(device)}
-    return {"input_ids": x.to(device), "position_ids": document_positions(x, eos_id).to(device), "use_cache": False}
+        return {"input_ids": x.to(device)}, y.to(device)
+    return ({"input_ids": x.to(device), "position_ids": document_positions(x, eos_id).to(device), "use_cache": False},
+            y.to(device))
 
 
 @torch.no_grad()
-def evaluate(engine, val, pc, rank, world, device, eos_id: int) -> float:
+def evaluate(engine, val, pc, rank, world, device, eos_id: int, tiles: int, sp=None) -> float:
+    """Mean val loss over all ranks (`rank`, `world`: the data-parallel ones)."""
     engine.eval()
-    losses = [causal_lm_loss(engine(**model_inputs(x, pc, eos_id, device)).logits, y.to(device)).item()
+    losses = [lm_loss(engine, *model_inputs(x, y, pc, eos_id, device, sp), tiles)[0].item()
               for x, y in eval_batches(val, pc.seq_len, pc.micro_batch_size, pc.eval_batches, rank, world)]
     engine.train()
     return all_mean(sum(losses) / len(losses), device)
@@ -85,32 +94,42 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     rank, world, device = setup_distributed()
     tokenizer, index, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer",
                                                            inputs["tokenize"] / "shards")
-    check_enough(train_tokens, val_tokens, pc, world)
+    dp_world = dist.data_parallel("pretrain")  # sequence parallelism: groups of ranks share each window
+    check_enough(train_tokens, val_tokens, pc, dp_world)
     torch.manual_seed(cfg.run.seed)
     arch, _ = architecture(cfg.model)
-    ds_config = deepspeed_config(dist, pc, world, device, arch.n_embd)
+    ds_config = deepspeed_config(dist, pc, dp_world, device, arch.n_embd)
+    # What builds the model reads the config before the sequence-parallel groups exist: its batch sizes as
+    # DeepSpeed would count them over the whole world are left for it to fill in.
+    build_config = {k: v for k, v in ds_config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
     if cfg.model.pretrained:  # continued pretraining
         if pc.seq_len > arch.n_positions:
             raise DataError(f"pretrain.seq_len={pc.seq_len} exceeds the context of model.pretrained="
                             f"{cfg.model.pretrained} ({arch.n_positions} positions)")
-        with partitioned(ds_config):  # ZeRO-3: loaded partitioned
+        with partitioned(build_config):  # ZeRO-3: loaded partitioned
             model = load_causal_lm(model_dir(cfg.model.pretrained, cfg.model.revision), cfg.model,
                                    uses_bf16(dist, device), pc.lora)
     else:
         model = build_model(arch, len(tokenizer), cfg.model.dropout, tokens={  # ZeRO-3: each rank its partition
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}, zero3=ds_config if dist.zero_stage == 3 else None)
+            "pad_token_id": tokenizer.pad_token_id}, zero3=build_config if dist.zero_stage == 3 else None,
+            model_cfg=cfg.model)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    sp = sequence_parallel.setup(model, dist, pc.micro_batch_size, pc.seq_len, "pretrain.seq_len")
+    dp_rank = sp.dp_rank if sp else rank
+    local_len = pc.seq_len // dist.sequence_parallel  # the tokens of a window this rank holds
+    tiles = logit_tiles(dist, pc.micro_batch_size, local_len, len(tokenizer))
+    tiled_mlps = tile_mlps(model, mlp_shards(dist, local_len, arch.n_embd))
     model = wrap(model, pc.lora, "causal-lm", "pretrain.lora", checkpointing=dist.activation_checkpointing)
     n_params, n_active = parameter_counts(model)
     ckpt_root = out_dir / "checkpoints"
     ckpt, elastic = find_checkpoint(ckpt_root, rank, world)
     verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))  # quoted if memory runs out
-    engine, scheduler, grad_accum = init_engine(model, ds_config, pc, dist, elastic, verdict)
+    engine, scheduler, grad_accum = init_engine(model, ds_config, pc, dist, elastic, verdict, sp and sp.mpu)
     if pc.compile:
         engine.compile()  # compiles in place: parameter names and checkpoints are unchanged
-    loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, rank, world, seed=cfg.run.seed)
+    loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, dp_rank, dp_world, seed=cfg.run.seed)
     state = resume({"model": engine}, ckpt, elastic, rank, world, "pretrain")
     step = state["step"] if state else 0
     if state:
@@ -122,9 +141,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if rank == 0:
         active = f" ({n_active / 1e6:.2f}M active)" if n_active != n_params else ""
         print(f"[pretrain] {cfg.model.name()}: {n_params / 1e6:.2f}M parameters{active}, world {world}, "
-              f"ZeRO-{dist.zero_stage}, "
+              f"ZeRO-{dist.zero_stage}, {f'sequence parallel {sp.size}, ' if sp else ''}"
               f"grad accum {grad_accum}, {tokens_per_step} tokens/step, {pc.max_steps} steps"
-              f"{', torch.compile' if pc.compile else ''}", flush=True)
+              f"{', torch.compile' if pc.compile else ''}"
+              f"{f', logits in {tiles} tiles' if tiles > 1 else ''}"
+              f"{f', {tiled_mlps} MLPs tiled' if tiled_mlps else ''}",
+              flush=True)
     bar = tqdm(total=pc.max_steps, initial=step, desc="pretrain", file=sys.stderr, disable=rank != 0,
                mininterval=2.0)
     train_loss = val_loss = float("nan")
@@ -140,9 +162,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         for _ in range(grad_accum):
             x, y = loader.next()  # (B, T), (B, T)
             with startup_oom(dist, pc, active=step == first_step, verdict=verdict):
-                out = engine(**model_inputs(x, pc, index["eos_id"], device))
-                loss, aux = causal_lm_loss(out.logits, y.to(device)), router_loss(out, engine.module.config)
-                engine.backward(loss if aux is None else loss + aux)
+                loss, out = lm_loss(engine, *model_inputs(x, y, pc, index["eos_id"], device, sp), tiles)
+                aux = router_loss(out, engine.module.config)
+                engine.backward((loss if aux is None else loss + aux) * (sp.backward_scale if sp else 1.0))
                 engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
             step_loss += loss.item() / grad_accum
             step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
@@ -161,7 +183,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                            f"{'n/a' if tps is None else f'{tps:,.0f}'} tok/s | "
                            f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}", file=sys.stderr)
         if step % pc.eval_every == 0 or step == pc.max_steps:
-            val_loss = evaluate(engine, val_tokens, pc, rank, world, device, index["eos_id"])
+            val_loss = evaluate(engine, val_tokens, pc, dp_rank, dp_world, device, index["eos_id"], tiles, sp)
             log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
         if step % pc.save_every == 0 and step < pc.max_steps:
             save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, world,

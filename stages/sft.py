@@ -34,17 +34,19 @@ from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_model
-from gptforge.model.losses import causal_lm_loss, router_loss
+from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
+from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 from gptforge.stages.cli import main
 
 OUTPUTS = MODEL_OUTPUTS
 
 
 @torch.no_grad()
-def val_loss(engine, examples, micro_batch: int, pad_id: int, rank: int, world: int, device) -> float:
+def val_loss(engine, examples, micro_batch: int, pad_id: int, rank: int, world: int, device,
+             tiles: int = 1) -> float:
     """Token-weighted mean loss over the val examples (each rank a strided share)."""
     engine.eval()
     total = tokens = 0.0
@@ -52,8 +54,8 @@ def val_loss(engine, examples, micro_batch: int, pad_id: int, rank: int, world: 
     for i in range(0, len(mine), micro_batch):
         x, a, y = collate(mine[i:i + micro_batch], pad_id)
         n = (y != -100).sum().item()
-        total += causal_lm_loss(engine(input_ids=x.to(device), attention_mask=a.to(device)).logits,
-                                y.to(device)).item() * n
+        total += lm_loss(engine, {"input_ids": x.to(device), "attention_mask": a.to(device)}, y.to(device),
+                         tiles)[0].item() * n
         tokens += n
     engine.train()
     total, tokens = all_sum([total, tokens], device)
@@ -88,6 +90,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         print(f"[sft] added {added} to the tokenizer; embeddings grown by {len(grown)} rows (trained)", flush=True)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    tiles = logit_tiles(dist, sc.micro_batch_size, sc.max_length, len(tokenizer))
+    tile_mlps(model, mlp_shards(dist, sc.max_length, model.config.hidden_size))
     model = wrap(model, sc.lora, "causal-lm", "sft.lora", grown, dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, sc, dist, elastic,
@@ -98,7 +102,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if state:
         order.load_state_dict(state["loader"])
     base_val_loss = state["base_val_loss"] if state else val_loss(engine, val.examples, sc.micro_batch_size,
-                                                                    tokenizer.pad_token_id, rank, world, device)
+                                                                    tokenizer.pad_token_id, rank, world, device, tiles)
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     bar = tqdm(total=sc.max_steps, initial=step, desc="sft", file=sys.stderr, disable=rank != 0, mininterval=2.0)
@@ -108,8 +112,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         t0, step_loss, step_aux, step_tokens = time.perf_counter(), 0.0, 0.0, 0
         for _ in range(grad_accum):
             inputs, y, tokens = model_batch([examples[i] for i in order.next_ids()], tokenizer.pad_token_id)
-            out = engine(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()})  # (B, T, V)
-            loss, aux = causal_lm_loss(out.logits, y.to(device)), router_loss(out, engine.module.config)
+            loss, out = lm_loss(engine, {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()},
+                                y.to(device), tiles)
+            aux = router_loss(out, engine.module.config)
             engine.backward(loss if aux is None else loss + aux)
             engine.step()
             step_loss += loss.item() / grad_accum
@@ -124,7 +129,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     tokens_per_sec=throughput.window_rate(),
                     **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
         if step % sc.eval_every == 0 or step == sc.max_steps:
-            loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, rank, world, device)
+            loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, rank, world, device,
+                                tiles)
             log.log(step, val_loss=loss_val)
         if step % sc.save_every == 0 and step < sc.max_steps:
             state = {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss}

@@ -317,6 +317,13 @@ class DistributedSection(Section):
     offload_optimizer: bool = Setting(False, description="Offload optimizer state to CPU memory (ZeRO 1-3).")
     activation_checkpointing: bool = Setting(False, description="Recompute activations in backward to save memory.")
     precision: Literal["auto", "bf16", "fp32"] = Setting("auto", description="auto: bf16 on GPUs, fp32 on the CPU.")
+    sequence_parallel: int = Setting(1, ge=1, description="Ranks that share each sequence (DeepSpeed-Ulysses; "
+                                     "pretrain): data parallelism runs over world/sequence_parallel.")
+    tiling: bool | Literal["auto"] = Setting("auto", same_result=True, description="Tiled logits+loss and MLPs "
+                                             "(model/tiling.py): true, false, or auto (logits over logits_tile_mb, "
+                                             "MLPs from 4096 tokens).")
+    logits_tile_mb: int = Setting(1024, ge=1, same_result=True, description="Largest fp32 logits tile of a "
+                                  "micro-batch's loss, in MiB (tiling auto and on).")
 
     @model_validator(mode="after")
     def _layout(self):
@@ -327,6 +334,9 @@ class DistributedSection(Section):
         if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
             raise ValueError(f"launcher=deepspeed reaches the other {self.nnodes - 1} node(s) through a hostfile: set "
                              "distributed.hostfile, or use launcher torchrun with a node_launcher")
+        if self.world_size % self.sequence_parallel:
+            raise ValueError(f"distributed.sequence_parallel={self.sequence_parallel} does not divide the world size "
+                             f"{self.world_size} (nproc_per_node x nnodes)")
         if self.node_launcher == "ssh" and self.nnodes > 1 and not self.hostfile:
             raise ValueError("node_launcher=ssh needs distributed.hostfile (one host a line, node 0 first)")
         return self
@@ -334,6 +344,10 @@ class DistributedSection(Section):
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    def data_parallel(self, stage: str) -> int:
+        """The data-parallel world of a stage: the world, over sequence_parallel for the stages it serves."""
+        return self.world_size // (self.sequence_parallel if stage == "pretrain" else 1)
 
 
 class LoraSection(Section):
@@ -526,11 +540,28 @@ class PipelineConfig(Section):
     def _combinations(self):
         world = self.distributed.world_size
         for name in ("pretrain", "sft", "reward", "preference"):
-            s = getattr(self, name)
-            per_step = s.micro_batch_size * world
+            s, dp = getattr(self, name), self.distributed.data_parallel(name)
+            per_step = s.micro_batch_size * dp
             if s.enabled and s.global_batch_size % per_step:
                 raise ValueError(f"{name}.global_batch_size={s.global_batch_size} is not divisible by "
-                                 f"micro_batch_size*world_size = {s.micro_batch_size}*{world}")
+                                 f"micro_batch_size*{'world_size' if dp == world else 'data-parallel world'} = "
+                                 f"{s.micro_batch_size}*{dp}")
+        sp = self.distributed.sequence_parallel
+        if sp > 1 and self.pretrain.enabled:
+            if self.pretrain.seq_len % sp:
+                raise ValueError(f"distributed.sequence_parallel={sp} does not divide pretrain.seq_len="
+                                 f"{self.pretrain.seq_len}")
+            if self.pretrain.document_mask:
+                raise ValueError(f"pretrain.document_mask with distributed.sequence_parallel={sp}: Ulysses attends "
+                                 "over the whole gathered sequence without a mask; set one of them off")
+            if not self.model.pretrained:
+                a = self.model.arch()
+                if a.n_head % sp:
+                    raise ValueError(f"distributed.sequence_parallel={sp} does not divide the model's {a.n_head} "
+                                     "attention heads (model.n_head)")
+                if self.model.attention == "eager":
+                    raise ValueError(f"distributed.sequence_parallel={sp} does not run on model.attention=eager "
+                                     "(a whole 4D mask); use sdpa or a FlashAttention kernel")
         if self.sft.enabled and not self.pretrain.enabled and not self.model.pretrained:
             raise ValueError("pretrain.enabled is false and model.pretrained is not set: sft has no model to start "
                              "from; set model.pretrained (a hub name or a local Hugging Face directory) or "

@@ -106,7 +106,7 @@ def test_a_window_of_two_documents_gives_the_second_its_logits_alone(preset):
     window = torch.cat([first, torch.tensor([[eos]]), second], 1)
     assert document_positions(window, eos)[0].tolist() == list(range(10)) + list(range(14))
     with torch.no_grad():
-        packed = model(**model_inputs(window, cfg.pretrain, eos, "cpu")).logits[0, 10:]
+        packed = model(**model_inputs(window, window, cfg.pretrain, eos, "cpu")[0]).logits[0, 10:]
         alone = model(input_ids=second).logits[0]
         mixed = model(input_ids=window).logits[0, 10:]  # without the mask: the first document is seen
     torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)

@@ -4,6 +4,7 @@ continued pretraining (the same model with its context merely raised trains besi
 import json
 import shutil
 
+import pytest
 import torch
 
 from tests.helpers import config, logged, run_stage, tokenize_in_process
@@ -51,3 +52,30 @@ def test_yarn_extends_a_64_token_model_to_256_and_its_export_carries_the_scaling
         gen = model.generate(ids, max_new_tokens=120, min_new_tokens=120, do_sample=False)
         logits = model(gen).logits
     assert gen.shape[1] == 180 and torch.isfinite(logits).all()
+
+
+SP = ["model.preset=llama-tiny", "pretrain.seq_len=128", "pretrain.max_steps=6", "pretrain.log_every=1",
+      "pretrain.eval_every=6", "pretrain.save_every=100", "pretrain.micro_batch_size=4",
+      "pretrain.global_batch_size=8", "pretrain.warmup_steps=2", "pretrain.grad_clip=0.5"]
+
+
+def test_sequence_parallel_gives_the_data_parallel_loss_curve_and_gradients_under_zero3_and_zero2(tmp_path):
+    """2 gloo processes: sequence_parallel=2 (one data-parallel group, each rank half of every window) against
+    sequence_parallel=1 (two data-parallel ranks) on the same windows; the ZeRO-3 run also tiles logits and MLPs."""
+    runs = {}
+    for name, extra in (("dp", ["distributed.zero_stage=3"]),
+                        ("sp-zero3", ["distributed.zero_stage=3", "distributed.sequence_parallel=2",
+                                      "distributed.tiling=true"]),
+                        ("sp-zero2", ["distributed.zero_stage=2", "distributed.sequence_parallel=2"])):
+        cfg, path = config(tmp_path / name, *SP, *extra)
+        tokenize_in_process(cfg)
+        manifest, out_dir, out = run_stage(cfg, path, "pretrain")
+        runs[name] = (manifest["metrics"], logged(out_dir, "loss"), logged(out_dir, "grad_norm"), out)
+    assert "sequence parallel 2" in runs["sp-zero3"][3] and "logits in" in runs["sp-zero3"][3]
+    dp_loss, dp_norm = runs["dp"][1], runs["dp"][2]
+    assert dp_loss[-1] < dp_loss[0] - 0.3  # it learns
+    for name in ("sp-zero3", "sp-zero2"):
+        _, loss, norm, _ = runs[name]
+        assert loss == pytest.approx(dp_loss, abs=2e-4), name
+        assert norm == pytest.approx(dp_norm, rel=1e-3), name  # not sequence_parallel times too large
+        assert runs[name][0]["val_loss"] == pytest.approx(runs["dp"][0]["val_loss"], abs=2e-4)
