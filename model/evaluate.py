@@ -4,12 +4,13 @@ KL between them)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
 import torch
 
-from gptforge.core.errors import UserError
+from gptforge.core.errors import ConfigError, UserError
 from gptforge.data.chat import collate, left_pad, prompt_ids
 
 
@@ -120,14 +121,29 @@ def gather_items(records: list[tuple[int, dict]], world: int) -> list[dict]:
     return [r for _, r in sorted(records, key=lambda r: r[0])]
 
 
+KV_CACHES = {"full": {}, "fp8": {"backend": "fp8"}, "quanto-int4": {"backend": "quanto", "nbits": 4}}
+
+
+def kv_cache(name: str, key: str = "eval.kv_cache") -> dict:
+    """generate()'s arguments for a KV cache (full, fp8 or quanto-int4: transformers' QuantizedCache)."""
+    if name not in KV_CACHES:
+        raise ConfigError(f"{key}={name!r}: choose one of {', '.join(KV_CACHES)}")
+    if not KV_CACHES[name]:
+        return {}
+    if name.startswith("quanto") and importlib.util.find_spec("optimum") is None:
+        raise ConfigError(f"{key}={name} needs optimum-quanto, which is not installed: pip install optimum-quanto, "
+                          "or use fp8")
+    return {"cache_implementation": "quantized", "cache_config": dict(KV_CACHES[name])}
+
+
 def answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 64, rank: int = 0,
-            world: int = 1, synced: bool = False) -> list[str]:
+            world: int = 1, synced: bool = False, cache: str = "full") -> list[str]:
     """Greedy responses to every prompt, on every rank: each rank answers its share of the batches (`shares`);
-    `synced`: the model is partitioned (ZeRO-3)."""
+    `synced`: the model is partitioned (ZeRO-3); `cache`: the KV cache (`kv_cache`)."""
     records = []
     for share in shares(len(prompts), batch_size, rank, world):
         batch = [prompts[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
-        responses = generate(model, tokenizer, batch, max_new_tokens, batch_size, synced=synced)
+        responses = generate(model, tokenizer, batch, max_new_tokens, batch_size, synced=synced, **kv_cache(cache))
         records += list(zip(share, responses)) if share else []
     return gather_items(records, world)
 
@@ -194,7 +210,7 @@ def win_rate(answers: list[str], other_answers: list[str], scores: list[float], 
 def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
                       synced: bool = False, verifiable: bool = True,
-                      reward_tokenizer=None) -> tuple[dict, list[str]]:
+                      reward_tokenizer=None, cache: str = "full") -> tuple[dict, list[str]]:
     """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
     SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
     samples from the policy (nats per response), and on `verifiable` items (the demo's) the exact match of both
@@ -205,7 +221,8 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
     for share in shares(len(items), batch_size, rank, world):
         batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
         prompts = [it["prompt"] for it in batch]
-        answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced)
+        answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced,
+                                  **kv_cache(cache))
                    for name, model in (("policy", policy), ("sft", sft))}
         scores = {name: reward_scores(reward_model, reward_tokenizer or tokenizer, prompts, answers[name], batch_size)
                   for name in answers}

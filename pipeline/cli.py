@@ -238,6 +238,7 @@ def cmd_generate(args) -> int:
         raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     from gptforge.model.attention import load_kwargs
+    from gptforge.model.evaluate import kv_cache
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(model_dir)).eval()
     if args.chat:
@@ -250,6 +251,7 @@ def cmd_generate(args) -> int:
     sample = args.temperature > 0
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=sample, use_cache=not args.no_cache,
+                             **(kv_cache(args.kv_cache, "--kv-cache") if not args.no_cache else {}),
                              temperature=args.temperature if sample else None,
                              top_k=args.top_k if sample else None, top_p=args.top_p if sample else None,
                              num_return_sequences=args.num_samples)
@@ -323,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-samples", type=int, default=1)
     gen.add_argument("--no-cache", action="store_true", help="disable the KV cache")
+    gen.add_argument("--kv-cache", choices=["full", "fp8", "quanto-int4"], default="full",
+                     help="KV cache precision: full, fp8, or int4 (optimum-quanto)")
     gen.add_argument("--show-special", action="store_true", help="print special tokens")
     gen.set_defaults(func=cmd_generate)
 

@@ -62,6 +62,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     config = inference_config(cfg.distributed, device, world, AutoConfig.from_pretrained(model_dir).hidden_size,
                               partition)
     split = {"batch_size": cfg.eval.batch_size, "rank": rank, "world": world, "synced": partition}
+    cache = {"cache": cfg.eval.kv_cache}
 
     loaded = []
 
@@ -77,9 +78,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     model = load(AutoModelForCausalLM, model_dir)
     if policy is None:  # after SFT: the SFT model against the pretrained one, on reference answers
         prompts = [it["prompt"] for it in items]
-        responses = answers(unwrap(model), tokenizer, prompts, cfg.eval.max_new_tokens, **split)
+        responses = answers(unwrap(model), tokenizer, prompts, cfg.eval.max_new_tokens, **split, **cache)
         base = load(AutoModelForCausalLM, start_model(cfg, inputs), fit=True)
-        base_responses = answers(unwrap(base), tokenizer, prompts, cfg.eval.max_new_tokens, **split)
+        base_responses = answers(unwrap(base), tokenizer, prompts, cfg.eval.max_new_tokens, **split, **cache)
         metrics = {**score_references(responses, references, scored),
                    **{f"base_{k}": v for k, v in score_references(base_responses, references, scored).items()}}
     else:
@@ -88,7 +89,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                              load(AutoModelForSequenceClassification, reward_dir))
         metrics, responses = preference_report(unwrap(model), unwrap(sft), unwrap(reward_model), tokenizer, items,
                                                cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
-                                               reward_tokenizer=reward_tokenizer, **split)
+                                               reward_tokenizer=reward_tokenizer, **split, **cache)
     if rank == 0:
         with open(out_dir / OUTPUTS["answers"], "w") as f:
             for it, r in zip(items, responses):

@@ -505,6 +505,8 @@ class EvalSection(Section):
     processes: Literal["auto", "one", "all"] = Setting(
         "auto", same_result=True, description="one process, or all of the distributed layout's (a share of the "
         "batches each); auto: all with a GPU here or nodes over ssh/slurm.")
+    kv_cache: Literal["full", "fp8", "quanto-int4"] = Setting("full", description="KV cache of generation: full "
+                                                             "precision, fp8 (per tensor), or int4 (optimum-quanto).")
     harness_tasks: list[str] = Setting([], description="lm-evaluation-harness tasks run on the exported model of "
                                        "each of harness_stages, e.g. [arc_easy]; gptforge_demo: the demo's held-out "
                                        "items.")
