@@ -150,11 +150,22 @@ def count_parameters(arch: Arch, vocab_size: int) -> tuple[int, int]:
         return parameter_counts(build_model(arch, vocab_size))
 
 
+def attention_span(arch: Arch, seq_len: int) -> float:
+    """The keys a layer's queries attend over, averaged over the layers: seq_len for a dense layer, the window
+    for a banded or sliding one (alternating: every other layer)."""
+    window = min(seq_len, arch.local_window or seq_len)
+    if arch.attention_pattern == "alternating":
+        banded = arch.n_layer // 2
+        return ((arch.n_layer - banded) * seq_len + banded * window) / arch.n_layer
+    return window if arch.attention_pattern == "sliding" else seq_len
+
+
 def flops_per_token(active_params: int, arch: Arch, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the weight matmuls that a token passes through (N the active
-    parameters: a mixture of experts computes only its routed experts) plus 12*n_layer*n_embd*seq_len for
-    attention scores and weighted values (PaLM, appendix B)."""
-    return 6 * active_params + 12 * arch.n_layer * arch.n_embd * seq_len
+    parameters: a mixture of experts computes only its routed experts) plus 12*n_layer*n_embd*span for
+    attention scores and weighted values (PaLM, appendix B), span the keys attended (`attention_span`: seq_len,
+    the window in banded layers)."""
+    return 6 * active_params + 12 * arch.n_layer * arch.n_embd * attention_span(arch, seq_len)
 
 
 # Dense bf16 peak FLOP/s by device name fragment (vendor data sheets, no sparsity).

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gptforge.core.presets import Arch
-from gptforge.model.build import build_model, flops_per_token, parameter_counts
+from gptforge.model.build import attention_span, build_model, flops_per_token, parameter_counts
 
 GiB = 1024 ** 3
 TOKENS_PER_PARAM = 20  # compute-optimal budget (Hoffmann et al. 2022)
@@ -57,13 +57,40 @@ def largest_layer_params(model) -> int:
     return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
 
-def activation_bytes(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, checkpointing: bool) -> float:
-    """Activation memory of one micro-batch (bytes per GPU), logits included."""
+@dataclass(frozen=True)
+class LongContext:
+    """What changes a micro-batch's activations at length: sequence-parallel ranks (each holds seq_len/N tokens
+    and N-th of the heads in attention), the logits' tiles, the MLPs' slices, a document mask (a (s, s) block
+    mask where the kernel takes no varlen)."""
+
+    sequence_parallel: int = 1
+    logit_tiles: int = 1
+    mlp_shards: int = 1
+    document_mask: bool = False
+    scores: bool = True  # the kernel materialises the (s, s) attention scores (eager; sdpa and FlashAttention do not)
+
+
+def logits_bytes(vocab_size: int, seq_len: int, micro_batch: int, lc: LongContext = LongContext()) -> float:
+    """The logits of one micro-batch's loss on one GPU (16-bit, the fp32 copy, its gradient): a tile's."""
+    return 10 * seq_len / lc.sequence_parallel * micro_batch * vocab_size / lc.logit_tiles
+
+
+def activation_bytes(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, checkpointing: bool,
+                     lc: LongContext = LongContext()) -> float:
+    """Activation memory of one micro-batch (bytes per GPU), logits included. Attention scores (where the kernel
+    materialises them) count the keys a layer attends (the window in banded layers); sequence parallelism divides
+    everything by N."""
     s, b, h, a, L = seq_len, micro_batch, arch.n_embd, arch.n_head, arch.n_layer
+    local = s / lc.sequence_parallel  # this rank's tokens
     mlp_width = (arch.intermediate_size or 4 * h) * (arch.experts_per_token or 1)  # a token's MLP width
-    layer = (15 + 19 * mlp_width / (4 * h)) * s * b * h + 5 * a * s * s * b
-    logits = 10 * s * b * vocab_size
-    return (L * 2 * s * b * h + layer if checkpointing else L * layer) + logits
+    mlp = 19 * mlp_width / (4 * h) * local * b * h
+    if lc.mlp_shards > 1:  # the MLP's input kept, one slice's intermediates at a time
+        mlp = 2 * local * b * h + mlp / lc.mlp_shards
+    scores = 5 * a / lc.sequence_parallel * s * attention_span(arch, s) * b if lc.scores else 0
+    layer = 15 * local * b * h + mlp + scores
+    mask = s * s * b if lc.document_mask else 0
+    acts = L * 2 * local * b * h + layer if checkpointing else L * layer
+    return acts + mask + logits_bytes(vocab_size, s, b, lc)
 
 
 def live_parameter_bytes(arch: Arch, largest_layer: int) -> float:
@@ -83,6 +110,8 @@ class Plan:
     activations: dict  # {checkpointing: bytes per GPU}
     live_parameters: float  # ZeRO-3's gathered parameters, bytes per GPU
     days: float | None
+    long_context: LongContext = LongContext()
+    logits: float = 0.0  # the loss's logits (a tile's), bytes per GPU
 
     def gpu_bytes(self, zero_stage: int, offload: bool, checkpointing: bool) -> float:
         """Everything one GPU holds: model states, activations and, under ZeRO-3, the gathered parameters."""
@@ -110,7 +139,7 @@ def lora_state_bytes(n: int, adapters: int, largest_layer: int, zero_stage: int,
 
 def make_plan(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, gpus: int, tokens: float | None = None,
               peak_tflops: float = 989.0, mfu: float = 0.4, gpus_per_node: int = 8, config=None,
-              lora=None) -> Plan:
+              lora=None, lc: LongContext = LongContext()) -> Plan:
     """The plan for `gpus` GPUs, gpus_per_node a node (fewer on one node). FLOPs and time count the active
     parameters (a mixture of experts computes only its routed experts); memory counts them all. `config`: a
     pretrained model's transformers config, counted as that model is built; `lora`: a lora section with r > 0,
@@ -131,10 +160,10 @@ def make_plan(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, gpus:
                   for z, off in STAGES}
     else:
         memory = {(z, off): model_state_bytes(n, largest, z, per_node, nodes, off) for z, off in STAGES}
-    acts = {ckpt: activation_bytes(arch, vocab_size, seq_len, micro_batch, ckpt) for ckpt in (False, True)}
+    acts = {ckpt: activation_bytes(arch, vocab_size, seq_len, micro_batch, ckpt, lc) for ckpt in (False, True)}
     days = fpt * tokens / (gpus * peak_tflops * 1e12 * mfu) / 86400
     return Plan(n, active, largest, fpt, TOKENS_PER_PARAM * n, fpt * tokens, memory, acts,
-                live_parameter_bytes(arch, largest), days)
+                live_parameter_bytes(arch, largest), days, lc, logits_bytes(vocab_size, seq_len, micro_batch, lc))
 
 
 def assumptions(p: Plan, micro_batch: int, seq_len: int, checkpointing: bool) -> str:
@@ -159,13 +188,21 @@ def verdict(p: Plan, zero_stage: int, offload: bool, checkpointing: bool, gpus: 
 def render(p: Plan, name: str, gpus: int, gpu_mem: float | None, seq_len: int, micro_batch: int, tokens_given: bool,
            peak_tflops: float, mfu: float, checkpointing: bool) -> str:
     active = f" ({p.active_params / 1e9:.3f}B active per token)" if p.active_params != p.n_params else ""
+    lc = p.long_context
     lines = [f"model {name}: {p.n_params / 1e9:.3f}B parameters{active}",
              f"training FLOPs per token (seq {seq_len}): {p.flops_per_token:.4g}",
              f"compute-optimal tokens (20 per parameter): {p.optimal_tokens / 1e9:.1f}B",
              f"training FLOPs for {'the given' if tokens_given else 'the compute-optimal'} tokens: {p.train_flops:.4g}",
              f"time on {gpus} GPUs at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s: {p.days:.1f} days",
-             f"activations per GPU (micro-batch {micro_batch}): {p.activations[False] / GiB:.1f} GiB, "
+             f"activations per GPU (micro-batch {micro_batch}"
+             f"{f', {seq_len // lc.sequence_parallel} tokens a rank' if lc.sequence_parallel > 1 else ''}"
+             f"): {p.activations[False] / GiB:.1f} GiB, "
              f"{p.activations[True] / GiB:.1f} GiB with activation checkpointing",
+             f"logits of the loss per GPU: {p.logits / GiB:.2f} GiB"
+             f"{f' (a tile of {lc.logit_tiles})' if lc.logit_tiles > 1 else ' (untiled)'}"
+             f"{f'; MLPs in {lc.mlp_shards} slices' if lc.mlp_shards > 1 else ''}"
+             f"{f'; sequence parallel {lc.sequence_parallel}' if lc.sequence_parallel > 1 else ''}"
+             f"{'; document mask' if lc.document_mask else ''}",
              f"per GPU on {gpus} GPUs: model states + activations{' (checkpointed)' if checkpointing else ''} "
              "[+ ZeRO-3 live parameters] = total; host memory per node:"]
     for z, off in STAGES:
@@ -192,6 +229,19 @@ def device_memory_gib(device: torch.device) -> float | None:
     return host / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def long_context(cfg, stage: str, seq_len: int, micro_batch: int, vocab_size: int, hidden: int) -> LongContext:
+    """A stage's LongContext as the config runs it (gptforge.model.tiling and .sequence_parallel decide)."""
+    from gptforge.model.tiling import logit_tiles, mlp_shards
+
+    dist = cfg.distributed
+    sp = dist.sequence_parallel if stage == "pretrain" else 1
+    local = seq_len // sp
+    flash = cfg.model.attention.startswith("flash")
+    return LongContext(sp, logit_tiles(dist, micro_batch, local, vocab_size), mlp_shards(dist, local, hidden),
+                       stage == "pretrain" and cfg.pretrain.document_mask and not flash,
+                       scores=cfg.model.attention == "eager")
+
+
 def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int) -> str:
     """The planner's verdict for a stage as configured (the preset or model.pretrained, its micro-batch, sequence
     length and lora, the distributed section's ZeRO stage, offload and checkpointing, this device's memory), for an
@@ -201,8 +251,10 @@ def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int)
 
     arch, config = architecture(cfg.model)
     seq_len = getattr(train, "seq_len", None) or getattr(train, "max_length", None) or arch.n_positions
+    stage = type(train).__name__.removesuffix("Section").lower()
     p = make_plan(arch, vocab_size, seq_len, train.micro_batch_size, world, gpus_per_node=dist.nproc_per_node,
-                  config=config, lora=train.lora)
+                  config=config, lora=train.lora,
+                  lc=long_context(cfg, stage, seq_len, train.micro_batch_size, vocab_size, arch.n_embd))
     line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world,
                    device_memory_gib(device))
     return f"the planner ({cfg.model.name()}): {line}"

@@ -262,7 +262,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from gptforge.model.plan import make_plan, render
+    from gptforge.model.plan import long_context, make_plan, render
     from gptforge.model.pretrained import architecture
 
     cfg = load_config(args.config, args.set)
@@ -270,8 +270,10 @@ def cmd_plan(args) -> int:
     arch, config = architecture(cfg.model)  # model.pretrained: its config.json
     default_len = cfg.pretrain.seq_len if args.stage == "pretrain" else section.max_length
     seq_len = default_len if args.seq_len is None else args.seq_len
-    plan = make_plan(arch, args.vocab_size or arch.vocab_size, seq_len, section.micro_batch_size, args.gpus,
-                     args.tokens, args.peak_tflops, args.mfu, args.gpus_per_node, config, section.lora)
+    vocab = args.vocab_size or arch.vocab_size
+    plan = make_plan(arch, vocab, seq_len, section.micro_batch_size, args.gpus, args.tokens, args.peak_tflops,
+                     args.mfu, args.gpus_per_node, config, section.lora,
+                     long_context(cfg, args.stage, seq_len, section.micro_batch_size, vocab, arch.n_embd))
     name = cfg.model.name() + (f", {args.stage} with LoRA r={section.lora.r}" if section.lora.r else "")
     print(render(plan, name, args.gpus, args.gpu_mem, seq_len, section.micro_batch_size,
                  args.tokens is not None, args.peak_tflops, args.mfu, cfg.distributed.activation_checkpointing))

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from gptforge.core.config import load_config
 from gptforge.core.presets import PRESETS
 from gptforge.model.build import build_model
-from gptforge.model.plan import GiB, activation_bytes, make_plan
+from gptforge.model.plan import GiB, LongContext, activation_bytes, make_plan
 from tests.conftest import ROOT
 
 
@@ -15,9 +16,12 @@ def test_gpt3_175b_against_the_paper():
     arch = PRESETS["gpt3-175b"]
     p = make_plan(arch, arch.vocab_size, seq_len=2048, micro_batch=1, gpus=1024, tokens=300e9)
     assert p.n_params == pytest.approx(175e9, rel=0.01)
-    # The paper's 3.14e23 training FLOPs is 6*N*D for 300B tokens; the attention term adds ~3%.
+    # The paper's 3.14e23 training FLOPs is 6*N*D for 300B tokens; the attention term adds ~2%: its dense layers
+    # attend over 2048 tokens, its locally banded ones (every other layer) over their 256-token band.
     assert p.train_flops == pytest.approx(3.14e23, rel=0.05)
-    assert p.flops_per_token == pytest.approx(6 * p.n_params + 12 * 96 * 12288 * 2048)
+    assert p.flops_per_token == pytest.approx(6 * p.n_params + 12 * 12288 * (48 * 2048 + 48 * 256))
+    dense = make_plan(replace(arch, attention_pattern="dense"), arch.vocab_size, 2048, 1, 1024, 300e9)
+    assert dense.flops_per_token == pytest.approx(6 * p.n_params + 12 * 96 * 12288 * 2048)
     assert p.optimal_tokens == pytest.approx(20 * p.n_params)
     assert p.largest_layer == 50257 * 12288  # the embedding
     # ZeRO-0 holds 20 bytes per parameter on every GPU; ZeRO-3 partitions 18 of them and gathers the largest layer.
@@ -118,7 +122,7 @@ def test_out_of_memory_message_quotes_the_planner(tmp_path):
         raise torch.OutOfMemoryError("CUDA out of memory")
     message = str(e.value)
     assert "distributed.zero_stage=2" in message and "the planner (gpt2-1.5b): ZeRO-2 on 2 devices needs" in message
-    assert f"{make_plan(PRESETS['gpt2-1.5b'], 50257, cfg.pretrain.seq_len, cfg.pretrain.micro_batch_size, 2, gpus_per_node=2).gpu_bytes(2, False, False) / GiB:.1f} GiB" in message  # noqa: E501
+    assert f"{make_plan(PRESETS['gpt2-1.5b'], 50257, cfg.pretrain.seq_len, cfg.pretrain.micro_batch_size, 2, gpus_per_node=2, lc=LongContext(scores=False)).gpu_bytes(2, False, False) / GiB:.1f} GiB" in message  # noqa: E501
 
 
 def test_a_pretrained_models_lora_run_is_planned_from_its_config_json(tmp_path):
@@ -149,3 +153,38 @@ def test_a_pretrained_models_lora_run_is_planned_from_its_config_json(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "llama-2-7b, sft with LoRA r=16: 6.738B parameters" in out.stdout
     assert f"ZeRO-2{'':15s} {p.memory[(2, False)][0] / GiB:10.1f}" in out.stdout
+
+
+LONG = ["model.preset=llama-7b", "pretrain.seq_len=131072", "model.rope={type: yarn, factor: 32}",
+        "distributed.nproc_per_node=8", "pretrain.micro_batch_size=1", "pretrain.global_batch_size=8",
+        *[f"{s}.{k}" for s in ("sft", "reward", "preference") for k in ("micro_batch_size=1", "global_batch_size=8")]]
+
+
+def plan_of(*overrides):
+    out = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--gpus", "8",
+                          *[a for o in (*LONG, *overrides) for a in ("--set", o)]],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_planner_divides_activations_by_the_sequence_parallel_ranks_and_counts_tiled_logits():
+    from gptforge.model.plan import logits_bytes
+
+    one = plan_of("distributed.tiling=false")
+    eight = plan_of("distributed.tiling=false", "distributed.sequence_parallel=8")
+
+    def activations(text):
+        line = next(x for x in text.splitlines() if x.startswith("activations per GPU"))
+        return float(line.split("): ")[1].split(" GiB")[0])
+
+    assert activations(eight) == pytest.approx(activations(one) / 8, rel=0.01)
+    assert "16384 tokens a rank" in eight and "sequence parallel 8" in eight
+    assert "logits of the loss per GPU: 39.06 GiB (untiled)" in one  # 10 bytes x 131072 x 32000
+    # tiling auto: the logits in tiles of at most logits_tile_mb (1 GiB of fp32), the MLPs in slices
+    tiled = plan_of()
+    tiles = 131072 * 32000 * 4 // 2**30 + 1
+    assert f"(a tile of {tiles}); MLPs in 32 slices" in tiled
+    assert logits_bytes(32000, 131072, 1, LongContext(logit_tiles=tiles)) / GiB == pytest.approx(39.06 / tiles,
+                                                                                                 rel=0.01)
+    assert activations(tiled) < activations(one) - 39.06 + 39.06 / tiles
