@@ -21,14 +21,10 @@ from pathlib import Path
 
 import torch
 
+from gptforge.core.attention import NATIVE_WINDOW, check
 from gptforge.core.errors import ConfigError
 
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
-# Families whose attention goes through transformers' AttentionInterface with a layer index: they can take a
-# banded layer. Native sliding windows: the configs whose attention and masks read `sliding_window`.
-BANDED_FAMILIES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3")
-NATIVE_WINDOW = ("mistral", "mixtral", "qwen2", "qwen3")
-ROPE_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 BANDED = "gptforge_banded_"
 
 
@@ -53,44 +49,6 @@ def family_of(config) -> str:
 
 def context(config) -> int:
     return getattr(config, "n_positions", None) or config.max_position_embeddings
-
-
-def check(family: str, ctx: int, model_cfg, pattern: str | None = None, window: int | None = None) -> None:
-    """What a family and context can take of the model section; a ConfigError naming the key otherwise. `pattern`
-    and `window`: the attention pattern and band the model will have (the preset's, or the section's)."""
-    rope, sliding = model_cfg.rope, model_cfg.sliding_window
-    if rope is not None and family not in ROPE_FAMILIES:
-        raise ConfigError(f"model.rope: a {family} model has no rotary position embeddings to scale (learned "
-                          f"positions); RoPE scaling needs a Llama-style model ({', '.join(ROPE_FAMILIES)})")
-    after = rope.context(ctx) if rope is not None else ctx
-    if sliding is not None:
-        if family == "gpt2":
-            raise ConfigError("model.sliding_window is for Llama- and Mistral-style models; a GPT-2-style model "
-                              "takes model.attention_pattern=alternating with model.local_window")
-        if family not in BANDED_FAMILIES:
-            raise ConfigError(f"model.sliding_window: a {family} model's attention takes no window here; "
-                              f"families that do: {', '.join(BANDED_FAMILIES)}")
-        if sliding > after:
-            raise ConfigError(f"model.sliding_window={sliding} is larger than the context ({after} positions)")
-    pattern = pattern or model_cfg.attention_pattern or "dense"
-    if pattern == "alternating":
-        if family not in BANDED_FAMILIES:
-            raise ConfigError(f"model.attention_pattern=alternating: a {family} model's attention cannot take banded "
-                              f"layers here; families that can: {', '.join(BANDED_FAMILIES)}")
-        window = window or model_cfg.local_window
-        if window is None:
-            raise ConfigError("model.attention_pattern=alternating needs model.local_window (the banded layers' "
-                              "width in tokens)")
-        if window > after:
-            raise ConfigError(f"model.local_window={window} is larger than the context ({after} positions)")
-        if model_cfg.attention in ("flex_attention",):
-            raise ConfigError("model.attention_pattern=alternating runs on sdpa, eager or flash_attention_2/3, not "
-                              f"model.attention={model_cfg.attention}")
-
-
-def check_context(arch, model_cfg) -> None:
-    """`check` for a preset (its architecture with the section's overrides)."""
-    check(arch.family, arch.n_positions, model_cfg, arch.attention_pattern, arch.local_window)
 
 
 def configure(config, model_cfg, resolve_kernel: bool = True) -> str | None:

@@ -288,7 +288,7 @@ class ModelSection(Section):
         except ValueError as e:
             raise ValueError(f"model.max_shard_size: {e}") from None
         if not self.pretrained:
-            from gptforge.model.attention import check_context
+            from gptforge.core.attention import check_context
 
             check_context(a, self)
         if a.is_moe and a.experts_per_token > a.n_experts:

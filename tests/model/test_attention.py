@@ -140,7 +140,7 @@ def test_flash_attention_without_a_gpu_is_an_error_naming_the_key():
 
 
 def test_alternating_on_a_family_that_cannot_take_it_is_an_error(tmp_path):
-    from gptforge.model.attention import check
+    from gptforge.core.attention import check
 
     cfg = load_config(None, ["model.attention_pattern=alternating", "model.local_window=8"])
     with pytest.raises(ConfigError, match="a falcon model's attention cannot take banded layers"):

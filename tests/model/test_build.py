@@ -36,7 +36,8 @@ def test_llama_preset_builds_rope_rmsnorm_swiglu_gqa():
 def test_flops_per_token_by_hand():
     a = PRESETS["gpt3-175b"]
     n = 175e9
-    assert flops_per_token(n, a, 2048) == 6 * n + 12 * 96 * 12288 * 2048
+    # the dense half of the layers attend over 2048 tokens, the banded half over their 256-token band
+    assert flops_per_token(n, a, 2048) == 6 * n + 12 * 12288 * (48 * 2048 + 48 * 256)
 
 
 def test_tied_embeddings_are_counted_once():
