@@ -47,6 +47,7 @@ def worker(seq_len: int, setup: str, steps: int) -> None:
     sp_size = 2 if setup == "tiled+sp" else 1
     tiling = "false" if setup == "baseline" else "true"
     cfg = load_config(None, [*ARCH, f"distributed.tiling={tiling}", f"distributed.sequence_parallel={sp_size}",
+                             "distributed.logits_tile_mb=64",
                              f"pretrain.seq_len={seq_len}", "pretrain.micro_batch_size=1",
                              "pretrain.global_batch_size=2", "sft.enabled=false", "reward.enabled=false",
                              "preference.enabled=false"])

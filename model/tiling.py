@@ -3,12 +3,14 @@
 The loss of a causal LM normally builds its logits whole: (B, T, V) in fp32, 16 GiB for one 32k-token sequence of
 a 128k vocabulary, and as much again for their gradient. `lm_loss` instead takes the final hidden states the output
 head would have read (a forward pre-hook hands the head an empty slice, so the model builds no logits) and
-computes the cross-entropy a tile of tokens at a time, each tile checkpointed: forward keeps no tile's logits, and
-backward recomputes one tile's at a time. The gradients are the untiled ones, accumulated by autograd as usual
-(DeepSpeed's loss scaling and gradient accumulation apply unchanged: nothing runs backward outside
-`engine.backward`). `tile_mlps` makes each dense MLP compute a slice of the sequence at a time
-(DeepSpeed's `TiledMLP`, which recomputes the slice in backward), so its (B, T, intermediate) activations are
-never whole either.
+computes the cross-entropy a tile of tokens at a time. Where the head's weight is whole (ZeRO 0-2), one fused pass
+(`FusedLinearCrossEntropy`) takes each tile's gradients as it goes and keeps only them; under ZeRO-3, whose head is
+gathered only inside its own calls, each tile is checkpointed and recomputed in backward. Either way the gradients
+are the untiled ones and reach the parameters through autograd (DeepSpeed's loss scaling and gradient accumulation
+apply unchanged: nothing is accumulated outside `engine.backward`).
+
+`tile_mlps` makes each dense MLP compute a slice of the sequence at a time (DeepSpeed's `TiledMLP`, which
+recomputes the slice in backward), so its (B, T, intermediate) activations are never whole either.
 
 `distributed.tiling` chooses: auto tiles the logits above `distributed.logits_tile_mb` and the MLPs from 4096
 tokens a sequence; true always; false never.
@@ -59,6 +61,52 @@ def tiled_cross_entropy(head, hidden: torch.Tensor, targets: torch.Tensor, tiles
     return total / (t != IGNORE).sum().clamp(min=1)
 
 
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """sum_t CE(hidden_t @ weight^T + bias, target_t) / n, computed a tile of tokens at a time with each tile's
+    gradients taken in forward (softmax minus the one-hot target, through the head by hand): one pass of the head,
+    no logits kept, as Liger's fused linear cross-entropy does. The gradients are stored and scaled by the
+    incoming gradient in backward, so DeepSpeed's loss scaling and gradient accumulation apply as to any loss."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, tiles: int, n):
+        h, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+        need = ctx.needs_input_grad
+        grad_h = torch.zeros_like(h) if need[0] else None
+        grad_w = torch.zeros_like(weight) if need[1] else None
+        grad_b = torch.zeros_like(bias) if bias is not None and need[2] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        step = -(-h.size(0) // tiles)
+        for i in range(0, h.size(0), step):
+            hc, tc = h[i:i + step], t[i:i + step]
+            logits = F.linear(hc, weight, bias).float()
+            keep = tc != IGNORE
+            safe = tc.masked_fill(~keep, 0)
+            lse = logits.logsumexp(-1)
+            total += ((lse - logits.gather(1, safe[:, None])[:, 0]) * keep).sum()
+            if grad_h is None and grad_w is None:
+                continue
+            d = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            d[torch.arange(len(tc), device=d.device), safe] -= 1.0
+            d *= keep[:, None]
+            if grad_h is not None:
+                grad_h[i:i + step] = (d.to(weight.dtype) @ weight).to(h.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(d.t().to(weight.dtype), hc.to(weight.dtype))
+            if grad_b is not None:
+                grad_b += d.sum(0).to(bias.dtype)
+        ctx.save_for_backward(*(g / n if g is not None else torch.empty(0) for g in (grad_h, grad_w, grad_b)))
+        ctx.shape = hidden.shape
+        ctx.has = (grad_h is not None, grad_w is not None, grad_b is not None)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, g):
+        gh, gw, gb = ctx.saved_tensors
+        has_h, has_w, has_b = ctx.has
+        return (gh.view(ctx.shape) * g if has_h else None, gw * g if has_w else None, gb * g if has_b else None,
+                None, None, None)
+
+
 def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int):
     """(loss, output) of a causal LM (or a DeepSpeed engine holding one) on `inputs` against shifted `targets`:
     through the logits when tiles is 1, else tiled (`tiled_cross_entropy`), the output then holding no logits."""
@@ -79,7 +127,12 @@ def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int):
         out = model(**inputs)
     finally:
         handle.remove()
-    return tiled_cross_entropy(head, seen["hidden"], targets, tiles), out
+    hidden = seen["hidden"]
+    if isinstance(head, torch.nn.Linear) and not hasattr(head.weight, "ds_id"):  # a whole head: one fused pass
+        n = (targets != IGNORE).sum().clamp(min=1)
+        return FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, tiles, n), out
+    # ZeRO-3 gathers the head's partitioned weight only inside its own calls: checkpointed tiles, recomputed
+    return tiled_cross_entropy(head, hidden, targets, tiles), out
 
 
 def tile_mlps(model, shards: int) -> int:

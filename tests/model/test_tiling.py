@@ -41,6 +41,26 @@ def test_tiled_loss_and_mlps_give_the_untiled_loss_and_gradients(preset):
     torch.testing.assert_close(plain, causal_lm_loss(out.logits, y))
 
 
+def test_the_checkpointed_tiles_zero3_uses_give_the_fused_tiles_loss_and_gradients():
+    from gptforge.model.tiling import FusedLinearCrossEntropy, tiled_cross_entropy
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 200)
+    hidden = torch.randn(2, 30, 32, requires_grad=True)
+    y = torch.randint(0, 200, (2, 30))
+    y[1, 20:] = -100
+    results = []
+    for fused in (True, False):
+        head.zero_grad()
+        hidden.grad = None
+        loss = (FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, y, 4, (y != -100).sum()) if fused
+                else tiled_cross_entropy(head, hidden, y, 4))
+        (3.0 * loss).backward()  # a scaled loss (DeepSpeed's gradient accumulation) scales the gradients
+        results.append((loss.detach(), hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_tiling_switches_on_by_size():
     dist = load_config(None, []).distributed
     assert logit_tiles(dist, 1, 2048, 32000) == 1  # 250 MiB of logits: under the 1 GiB tile
