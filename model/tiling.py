@@ -107,14 +107,15 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 None, None, None)
 
 
-def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int):
+def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int, reduction: str = "mean"):
     """(loss, output) of a causal LM (or a DeepSpeed engine holding one) on `inputs` against shifted `targets`:
-    through the logits when tiles is 1, else tiled (`tiled_cross_entropy`), the output then holding no logits."""
+    through the logits when tiles is 1, else tiled, the output then holding no logits. `reduction`: the mean over
+    the targets that count, or their sum (0 where none does)."""
     if tiles <= 1:
-        from gptforge.model.losses import causal_lm_loss
-
         out = model(**inputs)
-        return causal_lm_loss(out.logits, targets), out
+        logits = out.logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                               reduction=reduction), out
     head = getattr(model, "module", model).get_output_embeddings()
     seen = {}
 
@@ -128,11 +129,11 @@ def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int):
     finally:
         handle.remove()
     hidden = seen["hidden"]
+    n = (targets != IGNORE).sum().clamp(min=1) if reduction == "mean" else torch.ones((), device=targets.device)
     if isinstance(head, torch.nn.Linear) and not hasattr(head.weight, "ds_id"):  # a whole head: one fused pass
-        n = (targets != IGNORE).sum().clamp(min=1)
         return FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, tiles, n), out
     # ZeRO-3 gathers the head's partitioned weight only inside its own calls: checkpointed tiles, recomputed
-    return tiled_cross_entropy(head, hidden, targets, tiles), out
+    return tiled_cross_entropy(head, hidden, targets, tiles) * ((targets != IGNORE).sum().clamp(min=1) / n), out
 
 
 def tile_mlps(model, shards: int) -> int:

@@ -36,6 +36,7 @@ from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, part
 from gptforge.model.export import MODEL_OUTPUTS, export_model
 from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
 from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
@@ -46,17 +47,18 @@ OUTPUTS = MODEL_OUTPUTS
 
 @torch.no_grad()
 def val_loss(engine, examples, micro_batch: int, pad_id: int, rank: int, world: int, device,
-             tiles: int = 1) -> float:
-    """Token-weighted mean loss over the val examples (each rank a strided share)."""
+             tiles: int = 1, sp=None) -> float:
+    """Token-weighted mean loss over the val examples (each data-parallel rank a strided share; under sequence
+    parallelism, each rank its slice of the share's rows)."""
     engine.eval()
     total = tokens = 0.0
     mine = examples[rank::world]
     for i in range(0, len(mine), micro_batch):
         x, a, y = collate(mine[i:i + micro_batch], pad_id)
-        n = (y != -100).sum().item()
-        total += lm_loss(engine, {"input_ids": x.to(device), "attention_mask": a.to(device)}, y.to(device),
-                         tiles)[0].item() * n
-        tokens += n
+        inputs, y = ({"input_ids": x, "attention_mask": a}, y) if sp is None else sp.shard_batch(x, y)
+        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        total += lm_loss(engine, inputs, y.to(device), tiles, reduction="sum")[0].item()
+        tokens += (y != -100).sum().item()
     engine.train()
     total, tokens = all_sum([total, tokens], device)
     return total / tokens
@@ -74,7 +76,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     train = encode_conversations(tokenizer, data.train, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     val = encode_conversations(tokenizer, data.val, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     examples = pack(train.examples, sc.max_length) if sc.packing else train.examples
-    loaders.require(len(examples), sc.micro_batch_size * world, f"usable training conversations (skipped: "
+    dp_world = dist.data_parallel("sft")  # sequence parallelism: groups of ranks share each row
+    loaders.require(len(examples), sc.micro_batch_size * dp_world, f"usable training conversations (skipped: "
                     f"{dict(train.skipped)})", "sft.micro_batch_size", "data.sft")
     loaders.require(len(val.examples), 1, "usable held-out conversations", "sft.micro_batch_size", "data.sft")
     if rank == 0:
@@ -82,27 +85,36 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
               f"skipped {dict(train.skipped)}, truncated {train.truncated}", flush=True)
 
     torch.manual_seed(cfg.run.seed)
-    ds_config = deepspeed_config(dist, sc, world, device, AutoConfig.from_pretrained(base_dir).hidden_size)
-    with partitioned(ds_config):  # ZeRO-3: each rank holds its partition from the start
+    ds_config = deepspeed_config(dist, sc, dp_world, device, AutoConfig.from_pretrained(base_dir).hidden_size)
+    build_config = {k: v for k, v in ds_config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
+    with partitioned(build_config):  # ZeRO-3: each rank holds its partition from the start
         model = load_causal_lm(base_dir, cfg.model, uses_bf16(dist, device), lora=sc.lora)
         grown = fit_embeddings(model, tokenizer)  # the template's tokens, or ones beyond the model's rows
     if rank == 0 and (added or grown):
         print(f"[sft] added {added} to the tokenizer; embeddings grown by {len(grown)} rows (trained)", flush=True)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    tiles = logit_tiles(dist, sc.micro_batch_size, sc.max_length, len(tokenizer))
-    tile_mlps(model, mlp_shards(dist, sc.max_length, model.config.hidden_size))
+    sp = sequence_parallel.setup(model, dist, sc.micro_batch_size, None, "sft.max_length")
+    dp_rank = sp.dp_rank if sp else rank
+    local_len = sc.max_length // dist.sequence_parallel  # the most tokens of a row this rank holds
+    tiles = logit_tiles(dist, sc.micro_batch_size, local_len, len(tokenizer))
+    tile_mlps(model, mlp_shards(dist, local_len, model.config.hidden_size))
     model = wrap(model, sc.lora, "causal-lm", "sft.lora", grown, dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, sc, dist, elastic,
-                                                partial(stage_verdict, cfg, sc, world, device, len(tokenizer)))
-    order = DistributedOrder(len(examples), sc.micro_batch_size, rank, world, seed=cfg.run.seed)
+                                                partial(stage_verdict, cfg, sc, world, device, len(tokenizer)),
+                                                sp and sp.mpu)
+    if rank == 0 and (sp or tiles > 1):
+        print(f"[sft] {f'sequence parallel {sp.size} ({dp_world} data-parallel), ' if sp else ''}"
+              f"logits in {tiles} tile(s)", flush=True)
+    order = DistributedOrder(len(examples), sc.micro_batch_size, dp_rank, dp_world, seed=cfg.run.seed)
     state = resume({"model": engine}, ckpt, elastic, rank, world, "sft")
     step = state["step"] if state else 0
     if state:
         order.load_state_dict(state["loader"])
     base_val_loss = state["base_val_loss"] if state else val_loss(engine, val.examples, sc.micro_batch_size,
-                                                                    tokenizer.pad_token_id, rank, world, device, tiles)
+                                                                    tokenizer.pad_token_id, dp_rank, dp_world,
+                                                                    device, tiles, sp)
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     bar = tqdm(total=sc.max_steps, initial=step, desc="sft", file=sys.stderr, disable=rank != 0, mininterval=2.0)
@@ -112,10 +124,18 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         t0, step_loss, step_aux, step_tokens = time.perf_counter(), 0.0, 0.0, 0
         for _ in range(grad_accum):
             inputs, y, tokens = model_batch([examples[i] for i in order.next_ids()], tokenizer.pad_token_id)
-            loss, out = lm_loss(engine, {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()},
-                                y.to(device), tiles)
+            if sp is not None:  # this rank's slice of the rows; the loss is the group's token mean
+                inputs, y = sp.shard_batch(inputs["input_ids"], y)
+                tokens /= sp.size
+            inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+            if sp is None:
+                loss, out = lm_loss(engine, inputs, y.to(device), tiles)
+                scaled = loss
+            else:
+                summed, out = lm_loss(engine, inputs, y.to(device), tiles, reduction="sum")
+                loss, scaled = sp.group_mean(summed, (y != -100).sum())
             aux = router_loss(out, engine.module.config)
-            engine.backward(loss if aux is None else loss + aux)
+            engine.backward(scaled if aux is None else scaled + aux * (sp.backward_scale if sp else 1.0))
             engine.step()
             step_loss += loss.item() / grad_accum
             step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
@@ -129,8 +149,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     tokens_per_sec=throughput.window_rate(),
                     **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
         if step % sc.eval_every == 0 or step == sc.max_steps:
-            loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, rank, world, device,
-                                tiles)
+            loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_world,
+                                device, tiles, sp)
             log.log(step, val_loss=loss_val)
         if step % sc.save_every == 0 and step < sc.max_steps:
             state = {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss}

@@ -19,6 +19,7 @@ from gptforge.core.errors import ConfigError
 from gptforge.core.presets import PRESETS
 
 ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
+SEQUENCE_PARALLEL_STAGES = ("pretrain", "sft")  # distributed.sequence_parallel serves these
 Algorithm = Literal["dpo", "ppo", "grpo", "rloo"]
 
 
@@ -317,8 +318,8 @@ class DistributedSection(Section):
     offload_optimizer: bool = Setting(False, description="Offload optimizer state to CPU memory (ZeRO 1-3).")
     activation_checkpointing: bool = Setting(False, description="Recompute activations in backward to save memory.")
     precision: Literal["auto", "bf16", "fp32"] = Setting("auto", description="auto: bf16 on GPUs, fp32 on the CPU.")
-    sequence_parallel: int = Setting(1, ge=1, description="Ranks that share each sequence (DeepSpeed-Ulysses; "
-                                     "pretrain): data parallelism runs over world/sequence_parallel.")
+    sequence_parallel: int = Setting(1, ge=1, same_result=True, description="Ranks that share each sequence "
+                                     "(DeepSpeed-Ulysses; pretrain and SFT); data parallelism over the rest.")
     tiling: bool | Literal["auto"] = Setting("auto", same_result=True, description="Tiled logits+loss and MLPs "
                                              "(model/tiling.py): true, false, or auto (logits over logits_tile_mb, "
                                              "MLPs from 4096 tokens).")
@@ -347,7 +348,7 @@ class DistributedSection(Section):
 
     def data_parallel(self, stage: str) -> int:
         """The data-parallel world of a stage: the world, over sequence_parallel for the stages it serves."""
-        return self.world_size // (self.sequence_parallel if stage == "pretrain" else 1)
+        return self.world_size // (self.sequence_parallel if stage in SEQUENCE_PARALLEL_STAGES else 1)
 
 
 class LoraSection(Section):
@@ -549,6 +550,14 @@ class PipelineConfig(Section):
                                  f"micro_batch_size*{'world_size' if dp == world else 'data-parallel world'} = "
                                  f"{s.micro_batch_size}*{dp}")
         sp = self.distributed.sequence_parallel
+        if sp > 1 and self.sft.enabled:
+            if self.sft.max_length % sp:
+                raise ValueError(f"distributed.sequence_parallel={sp} does not divide sft.max_length="
+                                 f"{self.sft.max_length}")
+            if self.sft.packing:
+                raise ValueError(f"sft.packing with distributed.sequence_parallel={sp}: Ulysses attends over the whole "
+                                 "gathered row without a mask, so packed conversations would see each other; set one "
+                                 "of them off")
         if sp > 1 and self.pretrain.enabled:
             if self.pretrain.seq_len % sp:
                 raise ValueError(f"distributed.sequence_parallel={sp} does not divide pretrain.seq_len="

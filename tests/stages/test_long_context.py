@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import config, logged, run_stage, tokenize_in_process
+from tests.helpers import config, copy_store, logged, run_stage, tokenize_in_process
 
 SHORT = ["model.preset=llama-tiny", "model.n_positions=64", "pretrain.seq_len=64", "pretrain.max_steps=60",
          "pretrain.save_every=100", "pretrain.eval_every=60", "pretrain.log_every=10", "pretrain.lr=3e-3"]
@@ -79,3 +79,22 @@ def test_sequence_parallel_gives_the_data_parallel_loss_curve_and_gradients_unde
         assert loss == pytest.approx(dp_loss, abs=2e-4), name
         assert norm == pytest.approx(dp_norm, rel=1e-3), name  # not sequence_parallel times too large
         assert runs[name][0]["val_loss"] == pytest.approx(runs["dp"][0]["val_loss"], abs=2e-4)
+
+
+def test_sequence_parallel_sft_gives_the_data_parallel_loss_curve_and_gradients(chain, tmp_path):
+    """SFT's rows (right-padded, different lengths, assistant-only targets) shared by 2 ranks: the group's token
+    mean, under ZeRO-2 untiled and ZeRO-3 tiled, against the chain's 2-rank data-parallel SFT."""
+    _, want_dir, _ = chain["sft"]
+    want_loss, want_norm = logged(want_dir, "loss"), logged(want_dir, "grad_norm")
+    for name, extra in (("zero2", ["distributed.zero_stage=2"]),
+                        ("zero3-tiled", ["distributed.zero_stage=3", "distributed.tiling=true"])):
+        cfg, path = config(tmp_path / name, "distributed.sequence_parallel=2", *extra)
+        copy_store(chain["root"], tmp_path / name, "tokenize", "pretrain")  # SFT runs again: the same fingerprint
+        manifest, out_dir, out = run_stage(cfg, path, "sft")
+        assert "[sft] sequence parallel 2 (1 data-parallel)" in out
+        assert ("logits in 1 tile(s)" in out) == (name == "zero2")
+        assert logged(out_dir, "loss") == pytest.approx(want_loss, abs=2e-4), name
+        assert logged(out_dir, "grad_norm") == pytest.approx(want_norm, rel=2e-3), name
+        assert manifest["metrics"]["val_loss"] == pytest.approx(chain["sft"][0]["metrics"]["val_loss"], abs=2e-4)
+        assert manifest["metrics"]["base_val_loss"] == pytest.approx(
+            chain["sft"][0]["metrics"]["base_val_loss"], abs=2e-4)
