@@ -136,6 +136,42 @@ def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int, reduction: s
     return tiled_cross_entropy(head, hidden, targets, tiles) * ((targets != IGNORE).sum().clamp(min=1) / n), out
 
 
+def _tile_logprobs(head, hidden: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    logits = head(hidden).float()
+    return selective_log_softmax(logits, index), entropy_from_logits(logits)
+
+
+def token_logprobs(model, inputs: dict, start: int, index: torch.Tensor, tiles: int):
+    """(log-probabilities of `index` (B, R), the entropy there (B, R), output) from the positions start..-1 of a
+    causal LM's forward on `inputs` (the logits that predict each of R tokens after `start`): the logits whole when
+    tiles is 1, else a checkpointed tile of rows at a time from the final hidden states (the output then holding
+    no logits)."""
+    if tiles <= 1:
+        from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+        out = model(**inputs)
+        logits = out.logits[:, start:-1].float()
+        return selective_log_softmax(logits, index), entropy_from_logits(logits), out
+    head = getattr(model, "module", model).get_output_embeddings()
+    seen = {}
+
+    def take_hidden(module, args):
+        seen["hidden"] = args[0]
+        return (args[0][:, :0],)
+
+    handle = head.register_forward_pre_hook(take_hidden)
+    try:
+        out = model(**inputs)
+    finally:
+        handle.remove()
+    hidden = seen["hidden"][:, start:-1]
+    parts = [checkpoint(_tile_logprobs, head, h, i, use_reentrant=False)
+             for h, i in zip(hidden.chunk(tiles, dim=1), index.chunk(tiles, dim=1))]
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), out
+
+
 def tile_mlps(model, shards: int) -> int:
     """Make every dense MLP of `model` (GPT-2's, Llama's and its kin's; not a mixture of experts' routed blocks)
     compute `shards` slices of the sequence at a time (DeepSpeed's TiledMLP). Returns how many were tiled."""

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
@@ -42,6 +41,7 @@ from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.attention import load_kwargs
+from gptforge.model.tiling import logit_tiles, token_logprobs
 from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
 from gptforge.stages.cli import main
 
@@ -63,12 +63,12 @@ def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
     return out, torch.cat([attention, resp_mask], 1), resp_mask, P
 
 
-def policy_logprobs(model, seqs, attention, P: int, aux: bool = False):
-    """log pi of each response token and the policy entropy there, (B, R) each; with `aux`, also a mixture of
-    experts' weighed load-balancing loss (None for a dense model)."""
-    out = model(input_ids=seqs, attention_mask=attention, position_ids=positions(attention))
-    logits = out.logits[:, P - 1:-1].float()  # (B, R, V): the logits that predicted each response token
-    logp, entropy = selective_log_softmax(logits, seqs[:, P:]), entropy_from_logits(logits)
+def policy_logprobs(model, seqs, attention, P: int, aux: bool = False, tiles: int = 1):
+    """log pi of each response token and the policy entropy there, (B, R) each (from the logits that predicted
+    each response token; `tiles` > 1: a tile of them at a time, gptforge.model.tiling); with `aux`, also a mixture
+    of experts' weighed load-balancing loss (None for a dense model)."""
+    inputs = {"input_ids": seqs, "attention_mask": attention, "position_ids": positions(attention)}
+    logp, entropy, out = token_logprobs(model, inputs, P - 1, seqs[:, P:], tiles)
     return (logp, entropy, router_loss(out, unwrap(model).config)) if aux else (logp, entropy)
 
 
@@ -168,6 +168,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
     bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
     throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
+    rows = max(pc.micro_batch_size, per_rank)  # scoring takes a rank's rollouts at once, training a micro-batch
+    tiles = logit_tiles(dist, rows, oc.max_new_tokens, len(tokenizer))  # only the response tokens' logits
     while step < pc.max_steps:
         step += 1
         ids = order.next_ids()
@@ -176,9 +178,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, oc, device, dist.zero_stage == 3)
         gen_seconds = time.perf_counter() - t0
         with torch.no_grad():
-            old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P)
+            old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P, tiles=tiles)
             with as_reference(actor_engine, ref) as reference:
-                ref_logp, _ = policy_logprobs(reference, seqs, attention, P)
+                ref_logp, _ = policy_logprobs(reference, seqs, attention, P, tiles=tiles)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
             rm_score = torch.tensor(reward_scores(reward_model, reward_tokenizer, batch, texts), device=device)
@@ -192,7 +194,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         for epoch in range(oc.ppo_epochs if finite else 0):
             for k, mb in enumerate(torch.arange(per_rank).split(pc.micro_batch_size)):
                 m = mask[mb].float()
-                logp, entropy, aux = policy_logprobs(actor_engine, seqs[mb], attention[mb], P, aux=True)
+                logp, entropy, aux = policy_logprobs(actor_engine, seqs[mb], attention[mb], P, aux=True, tiles=tiles)
                 pg_loss, clip_frac = ppo_policy_loss(logp, old_logp[mb], advantages[mb], m, oc.cliprange)
                 values = critic_values(critic_engine, seqs[mb], attention[mb], P)
                 v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, oc.cliprange_value)

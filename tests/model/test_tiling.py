@@ -70,3 +70,40 @@ def test_tiling_switches_on_by_size():
     assert logit_tiles(off, 1, 32768, 128256) == 1 and mlp_shards(off, 32768, 4096) == 1
     on = dist.model_copy(update={"tiling": True})
     assert logit_tiles(on, 1, 64, 512) == 2
+
+
+def test_tiled_token_logprobs_give_the_untiled_logprobs_entropy_and_gradients():
+    from gptforge.model.tiling import token_logprobs
+
+    cfg = load_config(None, ["model.preset=llama-tiny"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model.arch(), 512, model_cfg=cfg.model)
+    seqs = torch.randint(0, 512, (3, 20))
+    start, index = 11, seqs[:, 12:]  # 8 response tokens after a 12-token prompt
+    results = []
+    for tiles in (1, 3):
+        model.zero_grad()
+        logp, entropy, out = token_logprobs(model, {"input_ids": seqs}, start, index, tiles)
+        (logp.sum() + 0.1 * entropy.sum()).backward()
+        results.append((logp.detach(), entropy.detach(), grads(model), out.logits.shape[1]))
+    (a, ea, ga, la), (b, eb, gb, lb) = results
+    assert la == 20 and lb == 0  # tiled: no logits built
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_summed_loss_is_the_mean_times_the_targets_tiled_or_not():
+    cfg = load_config(None, ["model.preset=tiny"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model.arch(), 512, model_cfg=cfg.model)
+    x = torch.randint(0, 512, (2, 16))
+    y = x.roll(-1, 1)
+    y[:, 10:] = -100
+    for tiles in (1, 3):
+        mean, _ = lm_loss(model, {"input_ids": x}, y, tiles)
+        total, _ = lm_loss(model, {"input_ids": x}, y, tiles, reduction="sum")
+        torch.testing.assert_close(total, mean * 20)
+        nothing, _ = lm_loss(model, {"input_ids": x}, torch.full_like(y, -100), tiles, reduction="sum")
+        assert nothing.item() == 0.0

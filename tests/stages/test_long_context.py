@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import config, copy_store, logged, run_stage, tokenize_in_process
+from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_in_process
 
 SHORT = ["model.preset=llama-tiny", "model.n_positions=64", "pretrain.seq_len=64", "pretrain.max_steps=60",
          "pretrain.save_every=100", "pretrain.eval_every=60", "pretrain.log_every=10", "pretrain.lr=3e-3"]
@@ -98,3 +98,16 @@ def test_sequence_parallel_sft_gives_the_data_parallel_loss_curve_and_gradients(
         assert manifest["metrics"]["val_loss"] == pytest.approx(chain["sft"][0]["metrics"]["val_loss"], abs=2e-4)
         assert manifest["metrics"]["base_val_loss"] == pytest.approx(
             chain["sft"][0]["metrics"]["base_val_loss"], abs=2e-4)
+
+
+def test_ppo_with_tiled_log_probabilities_matches_its_first_update(chain, ppo, tmp_path):
+    """PPO scoring and training its response tokens a tile of logits at a time: the first step (same rollouts)
+    logs what the untiled run logged."""
+    from tests.conftest import PPO
+
+    cfg, path = prepared(chain, tmp_path / "tiled", *PPO, "distributed.tiling=true", "preference.max_steps=2",
+                         "preference.save_every=100")
+    manifest, out_dir, _ = run_stage(cfg, path, "ppo")
+    for key in ("policy_loss", "value_loss", "kl", "entropy"):
+        want, got = logged(ppo[1], key), logged(out_dir, key)
+        assert got[0] == pytest.approx(want[0], abs=1e-4), key
