@@ -40,6 +40,8 @@ def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | 
             cfg = MistralConfig(**common)
         else:
             cfg = LlamaConfig(**common)
+        if model_cfg is not None and model_cfg.rope_theta is not None:
+            cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": model_cfg.rope_theta}
     section = model_cfg or ModelSection()
     # The preset's pattern unless the section overrides it (arch already holds the overrides).
     section = section.model_copy(update={"attention_pattern": arch.attention_pattern,

@@ -17,6 +17,10 @@ def check(family: str, ctx: int, model_cfg, pattern: str | None = None, window: 
     """What a family and context can take of the model section; a ConfigError naming the key otherwise. `pattern`
     and `window`: the attention pattern and band the model will have (the preset's, or the section's)."""
     rope, sliding = model_cfg.rope, model_cfg.sliding_window
+    if model_cfg.rope_theta is not None and family not in ROPE_FAMILIES:
+        raise ConfigError(f"model.rope_theta: a {family} model has no rotary position embeddings (learned positions)")
+    if model_cfg.pretrained and model_cfg.rope_theta is not None:
+        raise ConfigError("model.rope_theta sets a preset's RoPE base; model.pretrained keeps its own")
     if rope is not None and family not in ROPE_FAMILIES:
         raise ConfigError(f"model.rope: a {family} model has no rotary position embeddings to scale (learned "
                           f"positions); RoPE scaling needs a Llama-style model ({', '.join(ROPE_FAMILIES)})")

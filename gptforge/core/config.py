@@ -239,6 +239,8 @@ class ModelSection(Section):
     attention: Literal[ATTENTION] = Setting(
         "auto", description="Attention kernel: sdpa, flash_attention_2/3, flex_attention, eager; auto: "
         "flash_attention_2 on a GPU with flash-attn installed, else sdpa.")
+    rope_theta: float | None = Setting(None, gt=0, description="RoPE base of a Llama-style preset (None: 10000; "
+                                       "Llama 3 uses 500000).")
     rope: RopeSection | None = Setting(None, description="RoPE scaling {type, factor, ...} (Llama-style models): the "
                                        "context becomes original_max_position_embeddings * factor.")
     sliding_window: int | None = Setting(None, ge=1, description="Every layer attends over the last sliding_window "

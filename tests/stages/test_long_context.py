@@ -1,5 +1,6 @@
 """Longer context through the stages: a model pretrained at 64 tokens, its context extended to 256 with YaRN by
-continued pretraining (the same model with its context merely raised trains beside it)."""
+continued pretraining (against the same model with its context merely raised), and sequence parallelism and tiled
+logits in pretrain, SFT and PPO against their plain runs."""
 
 import json
 import shutil
@@ -9,14 +10,19 @@ import torch
 
 from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_in_process
 
-SHORT = ["model.preset=llama-tiny", "model.n_positions=64", "pretrain.seq_len=64", "pretrain.max_steps=60",
-         "pretrain.save_every=100", "pretrain.eval_every=60", "pretrain.log_every=10", "pretrain.lr=3e-3"]
-LONG = ["pretrain.seq_len=256", "pretrain.max_steps=12", "pretrain.warmup_steps=2", "pretrain.micro_batch_size=2",
+# A Llama 3-style base (RoPE base 500000) trained well at 64 tokens: its slow rotary dimensions never turn past what
+# 64 positions show them, which plain extrapolation to 256 then gets wrong, and YaRN interpolates. Here YaRN ends at
+# 1.171 against 1.221. (With 60 steps and base 10000, extrapolation held up as well as YaRN: 1.748 against 1.755.)
+SHORT = ["model.preset=llama-tiny", "model.n_positions=64", "model.rope_theta=500000", "pretrain.seq_len=64",
+         "pretrain.max_steps=400", "pretrain.save_every=1000", "pretrain.eval_every=400", "pretrain.log_every=50",
+         "pretrain.lr=3e-3", "pretrain.warmup_steps=10", "distributed.nproc_per_node=1",
+         "pretrain.global_batch_size=16", "pretrain.micro_batch_size=16"]
+LONG = ["pretrain.seq_len=256", "pretrain.max_steps=12", "pretrain.warmup_steps=0", "pretrain.micro_batch_size=4",
         "pretrain.global_batch_size=4", "pretrain.eval_every=12", "pretrain.eval_batches=4", "pretrain.log_every=1",
-        "pretrain.lr=3e-4", "pretrain.min_lr=3e-5"]
+        "pretrain.lr=5e-4", "pretrain.min_lr=5e-4", "distributed.nproc_per_node=1"]
 
 
-def test_yarn_extends_a_64_token_model_to_256_and_its_export_carries_the_scaling(tmp_path):
+def test_yarn_extends_a_64_token_model_to_256_better_than_raising_its_context(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg, path = config(tmp_path / "short", *SHORT)
@@ -32,20 +38,16 @@ def test_yarn_extends_a_64_token_model_to_256_and_its_export_carries_the_scaling
         cfg, path = config(tmp_path / name, f"model.pretrained={model}", *LONG, *extra)
         tokenize_in_process(cfg)
         results[name] = run_stage(cfg, path, "pretrain")
-    yarn, raised_run = results["yarn"], results["raised"]
-    # Both train at 256 tokens and predict there far better than the unigram entropy. At this scale, on the demo's
-    # short documents, plain extrapolation is not worse than YaRN: both end within a few hundredths (1.755 YaRN,
-    # 1.748 raised); bench/long_context.py prints the comparison.
-    for run in (yarn, raised_run):
-        assert run[0]["metrics"]["val_loss"] < run[0]["metrics"]["unigram_entropy"] - 1.0, run[0]["metrics"]
-    assert abs(yarn[0]["metrics"]["val_loss"] - raised_run[0]["metrics"]["val_loss"]) < 0.2
+    yarn, raised_run = results["yarn"][0]["metrics"], results["raised"][0]["metrics"]
+    print(f"val loss at 256 tokens after 12 steps: YaRN {yarn['val_loss']:.4f}, raised {raised_run['val_loss']:.4f}")
+    assert yarn["val_loss"] < raised_run["val_loss"] - 0.03, (yarn, raised_run)
 
     # The exported config carries the scaling: from_pretrained alone reproduces it, and generates past 64 tokens.
-    out = yarn[1] / "model"
+    out = results["yarn"][1] / "model"
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.rope_parameters["factor"] == 4
     assert model.config.rope_parameters["original_max_position_embeddings"] == 64
-    assert model.config.max_position_embeddings == 256
+    assert model.config.rope_parameters["rope_theta"] == 500000 and model.config.max_position_embeddings == 256
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok(" ".join(["the cat sat on the mat."] * 12), return_tensors="pt").input_ids[:, :60]
     with torch.no_grad():
