@@ -268,17 +268,29 @@ def stop_tokens_of(model) -> list[int]:
 
 
 def check_models(cfg) -> None:
-    """Every model the config starts from, checked before anything runs (`check_model`), and each training
-    section's lora.target_modules matched against the model's modules (on a model built without memory)."""
+    """Every model the config starts from, checked before anything runs (`check_model`); its RoPE scaling, windows
+    and sequence parallelism against its own family, heads and context; the attention kernel where the stages run
+    here (no work pools: a GPU worker may have what this machine lacks); and each training section's
+    lora.target_modules matched against the model's modules (on a model built without memory)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from gptforge.model import sequence_parallel
     from gptforge.model.adapters import targets
+    from gptforge.model.attention import kernel
     from gptforge.model.build import build_model
 
     path = None
     if cfg.model.pretrained:
         path = check_model(cfg.model.pretrained, cfg.model.revision, cfg.model.trust_remote_code, "model.pretrained")
+        _, config = architecture(cfg.model)
+        sp = cfg.distributed.sequence_parallel
+        if sp > 1 and cfg.pretrain.enabled:
+            sequence_parallel.check(config, sp, cfg.pretrain.seq_len, "pretrain.seq_len")
+        if sp > 1 and cfg.sft.enabled:
+            sequence_parallel.check(config, sp, cfg.sft.max_length, "sft.max_length")
+    if not cfg.run.work_pools and not cfg.run.default_work_pool:
+        kernel(cfg.model.attention)
     pc = cfg.preference
     roles = [("reward.pretrained", cfg.reward.pretrained, "any"), ("preference.reference", pc.reference, "causal-lm"),
              ("preference.reward_model", pc.reward_model, "sequence-classifier"),

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import TINY
 
@@ -29,10 +30,24 @@ def test_config_errors_exit_2_before_anything_starts(tmp_path):
     (["model.pretrained={model}", "pretrain.enabled=false", "preference.reward_model={model}"],
      "error: preference.reward_model='{model}' is not a sequence classifier (architectures: ['LlamaForCausalLM']); "
      "a reward model scores a sequence: give an AutoModelForSequenceClassification checkpoint"),
+    (["model.pretrained={model}", "pretrain.enabled=false", "model.sliding_window=1000"],
+     "error: model.sliding_window=1000 is larger than the context (256 positions)"),
+    (["model.pretrained={model}", "pretrain.enabled=false", "model.rope={{type: llama3, factor: 8}}"],
+     "error: invalid config {tiny}: model.rope: RoPE type llama3 needs "
+     "original_max_position_embeddings, low_freq_factor, high_freq_factor"),
+    (["model.pretrained={model}", "pretrain.enabled=false", "distributed.nproc_per_node=3",
+      "distributed.sequence_parallel=3", "sft.micro_batch_size=1", "sft.global_batch_size=3", "sft.max_length=96",
+      "reward.micro_batch_size=1", "reward.global_batch_size=3", "preference.micro_batch_size=1",
+      "preference.global_batch_size=3"],
+     "error: distributed.sequence_parallel=3 does not divide the model's 4 attention heads"),
+    (["model.attention=flash_attention_2"],
+     "error: model.attention=flash_attention_2 needs a GPU, and there is none here; use sdpa (or auto)"),
 ])
 def test_a_model_that_cannot_be_used_is_one_line_before_anything_starts(tmp_path, overrides, line):
     from tests import hub_models
 
+    if "flash" in line and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
     model = hub_models.save_model("llama3", tmp_path / "llama3")
     cache = tmp_path / "hub"
     overrides = [o.format(model=model) for o in overrides]
@@ -40,7 +55,8 @@ def test_a_model_that_cannot_be_used_is_one_line_before_anything_starts(tmp_path
                            f"run.root={tmp_path / 'r'}",
                            *[a for o in overrides for a in ("--set", o)]], capture_output=True, text=True,
                           cwd=tmp_path, env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode in (1, 2) and proc.stderr.strip().splitlines()[-1] == line.format(cache=cache, model=model)
+    assert proc.returncode in (1, 2) and proc.stderr.strip().splitlines()[-1] == line.format(cache=cache, model=model,
+                                                                                                 tiny=TINY)
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
 
 
