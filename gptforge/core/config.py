@@ -551,30 +551,27 @@ class PipelineConfig(Section):
                 raise ValueError(f"{name}.global_batch_size={s.global_batch_size} is not divisible by "
                                  f"micro_batch_size*{'world_size' if dp == world else 'data-parallel world'} = "
                                  f"{s.micro_batch_size}*{dp}")
+        # What Ulysses cannot take: a length it does not divide, a mask it would drop (it attends over the whole
+        # gathered sequence without one), heads it cannot share out, eager attention's whole 4D mask.
         sp = self.distributed.sequence_parallel
-        if sp > 1 and self.sft.enabled:
-            if self.sft.max_length % sp:
-                raise ValueError(f"distributed.sequence_parallel={sp} does not divide sft.max_length="
-                                 f"{self.sft.max_length}")
-            if self.sft.packing:
-                raise ValueError(f"sft.packing with distributed.sequence_parallel={sp}: Ulysses attends over the whole "
-                                 "gathered row without a mask, so packed conversations would see each other; set one "
-                                 "of them off")
-        if sp > 1 and self.pretrain.enabled:
-            if self.pretrain.seq_len % sp:
-                raise ValueError(f"distributed.sequence_parallel={sp} does not divide pretrain.seq_len="
-                                 f"{self.pretrain.seq_len}")
-            if self.pretrain.document_mask:
-                raise ValueError(f"pretrain.document_mask with distributed.sequence_parallel={sp}: Ulysses attends "
-                                 "over the whole gathered sequence without a mask; set one of them off")
-            if not self.model.pretrained:
-                a = self.model.arch()
-                if a.n_head % sp:
-                    raise ValueError(f"distributed.sequence_parallel={sp} does not divide the model's {a.n_head} "
-                                     "attention heads (model.n_head)")
-                if self.model.attention == "eager":
-                    raise ValueError(f"distributed.sequence_parallel={sp} does not run on model.attention=eager "
-                                     "(a whole 4D mask); use sdpa or a FlashAttention kernel")
+        for name, length_key, mask_key in (("pretrain", "seq_len", "document_mask"), ("sft", "max_length", "packing")):
+            section = getattr(self, name)
+            if sp == 1 or not section.enabled:
+                continue
+            if getattr(section, length_key) % sp:
+                raise ValueError(f"distributed.sequence_parallel={sp} does not divide {name}.{length_key}="
+                                 f"{getattr(section, length_key)}")
+            if getattr(section, mask_key):
+                raise ValueError(f"{name}.{mask_key} with distributed.sequence_parallel={sp}: Ulysses attends over the "
+                                 "whole gathered sequence without a mask, so its documents would see each other; set "
+                                 "one of them off")
+        if sp > 1 and not self.model.pretrained:
+            if self.model.arch().n_head % sp:
+                raise ValueError(f"distributed.sequence_parallel={sp} does not divide the model's "
+                                 f"{self.model.arch().n_head} attention heads (model.n_head)")
+            if self.model.attention == "eager":
+                raise ValueError(f"distributed.sequence_parallel={sp} does not run on model.attention=eager (a whole "
+                                 "4D mask); use sdpa or a FlashAttention kernel")
         if self.sft.enabled and not self.pretrain.enabled and not self.model.pretrained:
             raise ValueError("pretrain.enabled is false and model.pretrained is not set: sft has no model to start "
                              "from; set model.pretrained (a hub name or a local Hugging Face directory) or "

@@ -110,3 +110,20 @@ def test_result_fields_leave_out_cadence_and_nest():
     shared = result_fields(cfg.preference, leave_out=("dpo", "ppo", "grpo", "rloo"))
     assert "beta" in shared and not {"algorithm", "dpo", "ppo"} & set(shared)
     assert result_fields(cfg.preference)["ppo"]["ptx_coef"] == 1.0
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["distributed.sequence_parallel=3"], "distributed.sequence_parallel=3 does not divide the world size 2"),
+    (["distributed.sequence_parallel=2", "pretrain.seq_len=95"], "does not divide pretrain.seq_len=95"),
+    (["distributed.sequence_parallel=2", "sft.max_length=95"], "does not divide sft.max_length=95"),
+    (["distributed.sequence_parallel=2", "sft.packing=true"], "sft.packing with distributed.sequence_parallel=2"),
+    (["distributed.sequence_parallel=2", "pretrain.document_mask=true"], "pretrain.document_mask with"),
+    (["distributed.sequence_parallel=2", "model.attention=eager"], "does not run on model.attention=eager"),
+    (["distributed.nproc_per_node=3", "distributed.sequence_parallel=3", *[f"{s}.{k}" for s in (
+        "pretrain", "sft", "reward", "preference") for k in ("micro_batch_size=1", "global_batch_size=3")],
+      "pretrain.seq_len=96"], "does not divide the model's 4 attention heads"),
+])
+def test_sequence_parallelism_that_cannot_run_is_one_error_naming_the_key(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert says in str(e.value) and "\n" not in str(e.value)
