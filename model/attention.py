@@ -43,10 +43,6 @@ def kernel(name: str) -> str:
     return name
 
 
-def family_of(config) -> str:
-    return config.model_type
-
-
 def context(config) -> int:
     return getattr(config, "n_positions", None) or config.max_position_embeddings
 
@@ -56,7 +52,7 @@ def configure(config, model_cfg, resolve_kernel: bool = True) -> str | None:
     preset's or a pretrained model's), in place, and return the attn_implementation to build or load it with.
     Applied again to a config that already has them (a later stage reloading a model), it changes nothing.
     `resolve_kernel=False`: the config only (no kernel is looked for: the planner, on another machine)."""
-    family = family_of(config)
+    family = config.model_type
     pattern = model_cfg.attention_pattern or getattr(config, "attention_pattern", None) or "dense"
     window = model_cfg.local_window or getattr(config, "local_window", None)
     check(family, context(config), model_cfg, pattern, window)
