@@ -63,6 +63,13 @@ def deepspeed_config(dist, train, world: int, device: torch.device, hidden_size:
     return cfg
 
 
+def build_config(config: dict) -> dict:
+    """The config that builds a model (zero.Init, from_pretrained under ZeRO-3) before the engine exists, and so
+    before any sequence-parallel groups: without the batch sizes, which DeepSpeed then counts over the whole world
+    itself."""
+    return {k: v for k, v in config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only (not on biases, norms). A parameter partitioned by ZeRO-3 at build time holds
     an empty tensor: its shape is `ds_shape`."""

@@ -107,6 +107,24 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 None, None, None)
 
 
+def final_hidden(model, inputs: dict):
+    """(output head, the final hidden states it reads (B, T, D), output) of a forward on `inputs` in which the head
+    computes no logits: a forward pre-hook hands it an empty slice of the hidden states and keeps them."""
+    head = getattr(model, "module", model).get_output_embeddings()
+    seen = {}
+
+    def take_hidden(module, args):
+        seen["hidden"] = args[0]
+        return (args[0][:, :0],)
+
+    handle = head.register_forward_pre_hook(take_hidden)
+    try:
+        out = model(**inputs)
+    finally:
+        handle.remove()
+    return head, seen["hidden"], out
+
+
 def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int, reduction: str = "mean"):
     """(loss, output) of a causal LM (or a DeepSpeed engine holding one) on `inputs` against shifted `targets`:
     through the logits when tiles is 1, else tiled, the output then holding no logits. `reduction`: the mean over
@@ -116,19 +134,7 @@ def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int, reduction: s
         logits = out.logits.float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
                                reduction=reduction), out
-    head = getattr(model, "module", model).get_output_embeddings()
-    seen = {}
-
-    def take_hidden(module, args):
-        seen["hidden"] = args[0]
-        return (args[0][:, :0],)  # the head computes no logits inside the model
-
-    handle = head.register_forward_pre_hook(take_hidden)
-    try:
-        out = model(**inputs)
-    finally:
-        handle.remove()
-    hidden = seen["hidden"]
+    head, hidden, out = final_hidden(model, inputs)
     n = (targets != IGNORE).sum().clamp(min=1) if reduction == "mean" else torch.ones((), device=targets.device)
     if isinstance(head, torch.nn.Linear) and not hasattr(head.weight, "ds_id"):  # a whole head: one fused pass
         return FusedLinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, tiles, n), out
@@ -154,19 +160,8 @@ def token_logprobs(model, inputs: dict, start: int, index: torch.Tensor, tiles: 
         out = model(**inputs)
         logits = out.logits[:, start:-1].float()
         return selective_log_softmax(logits, index), entropy_from_logits(logits), out
-    head = getattr(model, "module", model).get_output_embeddings()
-    seen = {}
-
-    def take_hidden(module, args):
-        seen["hidden"] = args[0]
-        return (args[0][:, :0],)
-
-    handle = head.register_forward_pre_hook(take_hidden)
-    try:
-        out = model(**inputs)
-    finally:
-        handle.remove()
-    hidden = seen["hidden"][:, start:-1]
+    head, hidden, out = final_hidden(model, inputs)
+    hidden = hidden[:, start:-1]
     parts = [checkpoint(_tile_logprobs, head, h, i, use_reentrant=False)
              for h, i in zip(hidden.chunk(tiles, dim=1), index.chunk(tiles, dim=1))]
     return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), out

@@ -54,8 +54,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                      loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
     metrics = TrainerMetrics(out_dir / "logs")
     policy = load_policy(sft_dir, cfg, uses_bf16(dist, device))
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs), **load_kwargs(
-        reference_dir(cfg, inputs), cfg.model)) if pc.reference else None
+    ref_dir = reference_dir(cfg, inputs)
+    reference = AutoModelForCausalLM.from_pretrained(ref_dir, **load_kwargs(ref_dir, cfg.model)) if pc.reference \
+        else None
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():

@@ -140,14 +140,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     torch.manual_seed(cfg.run.seed)
     bf16, lora = uses_bf16(dist, device), pc.lora
     dtype = load_dtype(cfg.model.dtype, bf16)
+    ref_dir = reference_dir(cfg, inputs)
     with partitioned(actor_config):  # ZeRO-3: all models partitioned as they load
         actor = load_policy(sft_dir, cfg, bf16)
         critic = wrap(build_critic(critic_dir, oc.reward_model_weight, cfg.model, dtype=dtype,
                                    **quantization(lora, dtype)),
                       lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
         ref = None if reference_is_policy(cfg) else frozen(
-            AutoModelForCausalLM.from_pretrained(reference_dir(cfg, inputs), **load_kwargs(
-                reference_dir(cfg, inputs), cfg.model)), actor_config, device)
+            AutoModelForCausalLM.from_pretrained(ref_dir, **load_kwargs(ref_dir, cfg.model)), actor_config, device)
         reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(
             reward_dir, **load_kwargs(reward_dir, cfg.model)), actor_config, device)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)

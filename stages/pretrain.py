@@ -26,7 +26,8 @@ from gptforge.model.adapters import wrap
 from gptforge.model.build import build_model, flops_per_token, parameter_counts, peak_flops
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
-from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, startup_oom, uses_bf16
+from gptforge.model.engine import (build_config, deepspeed_config, grad_norm, init_engine, partitioned, startup_oom,
+                                   uses_bf16)
 from gptforge.model.export import MODEL_OUTPUTS, export_model
 from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
@@ -99,20 +100,18 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     torch.manual_seed(cfg.run.seed)
     arch, _ = architecture(cfg.model)
     ds_config = deepspeed_config(dist, pc, dp_world, device, arch.n_embd)
-    # What builds the model reads the config before the sequence-parallel groups exist: its batch sizes as
-    # DeepSpeed would count them over the whole world are left for it to fill in.
-    build_config = {k: v for k, v in ds_config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
+    build = build_config(ds_config)
     if cfg.model.pretrained:  # continued pretraining
         if pc.seq_len > arch.n_positions:
             raise DataError(f"pretrain.seq_len={pc.seq_len} exceeds the context of model.pretrained="
                             f"{cfg.model.pretrained} ({arch.n_positions} positions)")
-        with partitioned(build_config):  # ZeRO-3: loaded partitioned
+        with partitioned(build):  # ZeRO-3: loaded partitioned
             model = load_causal_lm(model_dir(cfg.model.pretrained, cfg.model.revision), cfg.model,
                                    uses_bf16(dist, device), pc.lora)
     else:
         model = build_model(arch, len(tokenizer), cfg.model.dropout, tokens={  # ZeRO-3: each rank its partition
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}, zero3=build_config if dist.zero_stage == 3 else None,
+            "pad_token_id": tokenizer.pad_token_id}, zero3=build if dist.zero_stage == 3 else None,
             model_cfg=cfg.model)
     if dist.activation_checkpointing:
         model.gradient_checkpointing_enable()

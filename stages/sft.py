@@ -32,7 +32,7 @@ from gptforge.data.loader import DistributedOrder
 from gptforge.model.adapters import wrap
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
+from gptforge.model.engine import build_config, deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_model
 from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
@@ -86,8 +86,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
     torch.manual_seed(cfg.run.seed)
     ds_config = deepspeed_config(dist, sc, dp_world, device, AutoConfig.from_pretrained(base_dir).hidden_size)
-    build_config = {k: v for k, v in ds_config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
-    with partitioned(build_config):  # ZeRO-3: each rank holds its partition from the start
+    with partitioned(build_config(ds_config)):  # ZeRO-3: each rank holds its partition from the start
         model = load_causal_lm(base_dir, cfg.model, uses_bf16(dist, device), lora=sc.lora)
         grown = fit_embeddings(model, tokenizer)  # the template's tokens, or ones beyond the model's rows
     if rank == 0 and (added or grown):
