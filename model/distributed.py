@@ -3,8 +3,12 @@ the stages need for their metrics."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
+import traceback
+from datetime import timedelta
 
 import torch
 
@@ -15,10 +19,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
+def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
     """Join the process group the launcher set up (or make a group of one): (rank, world, device).
-    On a machine without a GPU, DeepSpeed's CPU accelerator and gloo; cores shared among local ranks."""
+    On a machine without a GPU, DeepSpeed's CPU accelerator and gloo; cores shared among local ranks. The group's
+    timeout is `dist.timeout_minutes` (the `distributed` section; 30 without one): a collective that a rank stops
+    answering raises on the others after it (`hung_rank` names that rank), and NCCL's heartbeat monitor, which
+    ends a process whose watchdog is stuck, waits a minute longer."""
     cuda = torch.cuda.is_available()
+    timeout = timedelta(minutes=dist.timeout_minutes if dist is not None else 30)
+    os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout.total_seconds()) + 60))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
     if "RANK" not in os.environ:  # no launcher: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -40,7 +49,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         if len(cpus) >= local_world:
             os.sched_setaffinity(0, cpus[local_rank * share:(local_rank + 1) * share])
         torch.set_num_threads(share)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
@@ -88,3 +97,53 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
     return t.tolist()
+
+
+HEARTBEAT = "gptforge/heartbeat/"
+
+
+def heartbeat(rank: int, where: str) -> None:
+    """Tell the rendezvous store where this rank is (its host, `where`, the time), for `hung_rank` to read
+    should a collective time out; a few bytes to the store per call."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        _get_default_store().set(f"{HEARTBEAT}{rank}", json.dumps(
+            {"host": socket.gethostname(), "where": where, "time": time.time()}))
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether `e` is a collective that timed out (gloo, NCCL) or lost a peer that was ended meanwhile."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "timed out", "timeout", "connection closed by peer", "connection reset by peer", "watchdog"))
+
+
+def hung_rank(e: BaseException, timeout_minutes: float) -> str:
+    """One line for a collective that timed out: the rank and host heard from least recently (from the
+    heartbeats in the store), what it was doing, and the collective this rank waited in (from the traceback)."""
+    waited = next((f.name for f in reversed(traceback.extract_tb(e.__traceback__))
+                   if "torch/distributed" in f.filename.replace("\\", "/") or "deepspeed/comm" in f.filename), None)
+    me = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    beats = {}
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        for r in range(torch.distributed.get_world_size()):
+            if store.check([f"{HEARTBEAT}{r}"]):
+                beats[r] = json.loads(store.get(f"{HEARTBEAT}{r}"))
+    except Exception:  # the store is gone with its host: name what we can
+        beats = {}
+    others = {r: b for r, b in beats.items() if r != me}
+    if others:
+        r, b = min(others.items(), key=lambda rb: rb[1]["time"])
+        who = (f"rank {r} (host {b['host']}) stopped answering: last heard from {time.time() - b['time']:.0f} s "
+               f"ago, at {b['where']}")
+    else:
+        who = "a rank stopped answering"
+    return (f"{who}; rank {me} waited distributed.timeout_minutes={timeout_minutes:g} in "
+            f"{waited or 'a collective'} ({str(e).splitlines()[0][:160]}); the stage stopped, a retry resumes from "
+            "its newest checkpoint")

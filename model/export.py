@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from gptforge.core.errors import UserError
 
 # What a training stage's output holds: `model/` (adapters merged, where it trained any) and, for an adapter
 # stage, `adapter/` (the PEFT adapter alone); see export_model.
@@ -86,7 +87,8 @@ def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) ->
     `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`), its config, the tokenizer and a
     generation config. Every process calls this. A ZeRO-3 partitioned parameter is gathered alone, written into
     rank 0's current shard and released: no process ever holds more than one shard and one parameter, never the
-    whole model."""
+    whole model. Non-finite weights are never written: every rank checks each tensor, and all stop at the first
+    one with one error naming it."""
     import deepspeed
     from safetensors.torch import save_file
 
@@ -111,6 +113,8 @@ def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) ->
         for key in shard:
             t = tensors[key]
             with deepspeed.zero.GatheredParameters([t], enabled=hasattr(t, "ds_id")):
+                if not bool(torch.isfinite(t).all()):
+                    raise UserError(f"refusing to export {out}: weight {key} holds NaN/Inf")
                 if rank == 0:
                     part[key] = t.detach().to("cpu", copy=True).contiguous()
         if rank == 0:

@@ -39,6 +39,7 @@ def trainer_kwargs(section, dist, world: int, out_dir: Path, seed: int) -> dict:
         use_cpu=not cuda, bf16=cuda and dist.precision in ("auto", "bf16"),
         gradient_checkpointing=dist.activation_checkpointing,
         disable_tqdm=False, dataloader_num_workers=0, remove_unused_columns=False,
+        ddp_timeout=int(dist.timeout_minutes * 60),
     )
 
 

@@ -59,7 +59,8 @@ NAMES = {
     "clip_frac": "share of response tokens where the clipped policy ratio was taken",
     "ptx_loss": "loss of the preference pairs' chosen responses (PPO-ptx)",
     "gen_tokens_per_sec": "response tokens sampled per second (all processes)",
-    "bad_steps": "steps skipped for a NaN/Inf reward or loss",
+    "bad_steps": "steps skipped: NaN/Inf loss, reward or gradient norm, or a loss spike (model/guard.py)",
+    "rollbacks": "returns to the newest valid checkpoint after max_bad_steps bad steps in a row",
     # held-out evaluation of a finished output
     "exact_match": "share of held-out items whose greedy answer is the known answer",
     "base_exact_match": "exact_match of the stage's input model in the same prompt format",

@@ -97,6 +97,14 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except RuntimeError as e:  # a collective that timed out: name the rank that stopped answering
+        from gptforge.model.distributed import hung_rank, is_timeout
+
+        if not is_timeout(e):
+            raise
+        cfg = load_config(args.config, args.set)
+        print(f"error: {stage}: {hung_rank(e, cfg.distributed.timeout_minutes)}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

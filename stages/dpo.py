@@ -42,7 +42,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     pc, dist = cfg.preference, cfg.distributed
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.distributed)
     sft_dir = inputs["sft"] / "model"  # the policy and its reference; DPO needs no reward model
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     train = as_dataset(loaders.preference_pairs(cfg.data).train)

@@ -46,7 +46,7 @@ OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.distributed)
     policy = next((s for s in ALGORITHMS if s in inputs), None)
     harness = bool(cfg.eval.harness_tasks) and (policy or "sft") in cfg.eval.harness_stages
     manager = check_tasks(cfg.eval) if harness else None

@@ -36,7 +36,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     pc, oc, dist = cfg.preference, cfg.preference.grpo, cfg.distributed
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.distributed)
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     pairs = loaders.preference_pairs(cfg.data).train
     loaders.require(len(pairs), pc.global_batch_size // oc.num_generations, "preference pairs (prompts)",

@@ -29,6 +29,7 @@ from gptforge.model.distributed import all_mean, barrier, setup_distributed
 from gptforge.model.engine import (build_config, deepspeed_config, grad_norm, init_engine, partitioned, startup_oom,
                                    uses_bf16)
 from gptforge.model.export import MODEL_OUTPUTS, export_model
+from gptforge.model.guard import StepGuard
 from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model import sequence_parallel
@@ -92,7 +93,7 @@ def evaluate(engine, val, pc, rank, world, device, eos_id: int, tiles: int, sp=N
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     pc, dist = cfg.pretrain, cfg.distributed
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.distributed)
     tokenizer, index, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer",
                                                            inputs["tokenize"] / "shards")
     dp_world = dist.data_parallel("pretrain")  # sequence parallelism: groups of ranks share each window
@@ -131,8 +132,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, dp_rank, dp_world, seed=cfg.run.seed)
     state = resume({"model": engine}, ckpt, elastic, rank, world, "pretrain")
     step = state["step"] if state else 0
+    guard = StepGuard(pc, "pretrain", engine, device, rank, world)
     if state:
         loader.load_state_dict(state["loader"])
+        guard.load_state_dict(state.get("guard"))
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     tokens_per_step = pc.global_batch_size * pc.seq_len  # over all processes
@@ -159,14 +162,20 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         t0 = time.perf_counter()
         step_loss = step_aux = 0.0
         for _ in range(grad_accum):
-            x, y = loader.next()  # (B, T), (B, T)
+            x, y = guard.next(loader.next)  # (B, T), (B, T)
             with startup_oom(dist, pc, active=step == first_step, verdict=verdict):
                 loss, out = lm_loss(engine, *model_inputs(x, y, pc, index["eos_id"], device, sp), tiles)
+                step_loss += guard.observe(loss) / grad_accum  # at the boundary: is the step bad on any rank?
                 aux = router_loss(out, engine.module.config)
-                engine.backward((loss if aux is None else loss + aux) * (sp.backward_scale if sp else 1.0))
-                engine.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
-            step_loss += loss.item() / grad_accum
+                engine.backward(guard.gate(loss if aux is None else loss + aux) * (sp.backward_scale if sp else 1.0))
+                guard.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
             step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
+        outcome = guard.settle(step + 1)
+        if outcome == "rollback":  # weights and optimizer from the newest checkpoint; the data goes on past here
+            step = guard.rollback({"model": engine}, ckpt_root, step + 1)["step"]
+            bar.n = step
+        if outcome != "ok":
+            continue
         step += 1
         throughput.step(time.perf_counter() - t0, tokens_per_step)
         bar.update(1)
@@ -174,7 +183,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             train_loss = all_mean(step_loss, device)
             tps = throughput.window_rate()
             log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
-                    tokens_per_sec=tps, mfu=mfu_of(tps),
+                    tokens_per_sec=tps, mfu=mfu_of(tps), bad_steps=guard.bad_steps,
                     **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
             if rank == 0:
                 mfu = mfu_of(tps)
@@ -185,8 +194,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             val_loss = evaluate(engine, val_tokens, pc, dp_rank, dp_world, device, index["eos_id"], tiles, sp)
             log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
         if step % pc.save_every == 0 and step < pc.max_steps:
-            save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict()}, rank, world,
-                      pc.keep_last)
+            save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict(),
+                      "guard": guard.state_dict()}, rank, world, pc.keep_last)
     bar.close()
     log.close()
 
@@ -197,6 +206,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             "val_ppl": round(float(torch.tensor(val_loss).exp()), 4),
             "unigram_entropy": round(index["unigram_entropy"], 6), "tokens_per_sec": tokens_per_sec,
             "mfu": round(mfu_of(tokens_per_sec), 4) if mfu_of(tokens_per_sec) else None, "global_step": step,
+            "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks,
             "parameters": n_params, "active_parameters": n_active, "flops_per_token": flops_tok}
 
 

@@ -95,7 +95,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     rc, dist = cfg.reward, cfg.distributed
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.distributed)
     # the reward model's start: the SFT model, or reward.pretrained (its own tokenizer and template)
     start = model_dir(rc.pretrained, None, "reward.pretrained") if rc.pretrained else inputs["sft"] / "model"
     tokenizer = AutoTokenizer.from_pretrained(start, trust_remote_code=cfg.model.trust_remote_code)

@@ -68,7 +68,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     sc, dist = cfg.sft, cfg.distributed
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.distributed)
     base_dir = start_model(cfg, inputs)
     tokenizer = AutoTokenizer.from_pretrained(base_dir, trust_remote_code=cfg.model.trust_remote_code)
     added = prepare_tokenizer(tokenizer, sc.chat_template)

@@ -327,6 +327,8 @@ class DistributedSection(Section):
                                              "MLPs from 4096 tokens).")
     logits_tile_mb: int = Setting(1024, ge=1, same_result=True, description="Largest fp32 logits tile of a "
                                   "micro-batch's loss, in MiB (tiling auto and on).")
+    timeout_minutes: float = Setting(30, ge=1, same_result=True, description="The process group's timeout: a "
+                                     "rank that stops answering in a collective fails the stage after it.")
 
     @model_validator(mode="after")
     def _layout(self):
@@ -389,6 +391,12 @@ class TrainSection(Section):
     save_every: int = Setting(100, ge=1, same_result=True, description="Steps between step checkpoints.")
     keep_last: int = Setting(2, ge=1, same_result=True, description="Step checkpoints kept.")
     lora: LoraSection = Setting(default_factory=LoraSection, description="LoRA/QLoRA adapters (r=0: full weights).")
+    spike_factor: float | None = Setting(None, gt=1, description="Skip a step whose loss is over this factor times "
+                                         "the median of the last spike_window steps (None: off); model/guard.py.")
+    spike_window: int = Setting(32, ge=1, description="Good steps whose median loss spike_factor is taken against.")
+    max_bad_steps: int = Setting(3, ge=1, description="Bad steps (NaN/Inf loss or gradient norm, spikes) in a row "
+                                 "after which the stage rolls back to its newest valid checkpoint.")
+    max_rollbacks: int = Setting(2, ge=0, description="Rollbacks after which more bad steps fail the stage.")
 
 
 class PretrainSection(TrainSection):
@@ -464,7 +472,6 @@ class PPOSection(OnlineSection):
                                  "reward model, or the SFT model with a new value head where their tokenizers differ.")
     kl_target: float | None = Setting(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
     kl_horizon: int = Setting(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
-    max_bad_steps: int = Setting(3, ge=0, description="Steps with a NaN/Inf reward or loss skipped before failing.")
 
 
 class GRPOSection(OnlineSection):
