@@ -79,6 +79,7 @@ class StepGuard:
         self.verdict: str | None = None
         self.applied = True
         self.scale = 1.0
+        self.mean = math.nan  # the step's mean loss over the ranks, once judged
 
     # -- per micro-batch
 
@@ -152,9 +153,11 @@ class StepGuard:
         """The step's outcome once its optimizer step is taken: "ok", "skip" (logged and counted) or "rollback"
         (`max_bad_steps` bad steps in a row). Raises after `max_rollbacks` rollbacks."""
         verdict = self.verdict or (None if self.applied else "gradient norm NaN/Inf")
+        mean = self.mean
         self._reset()
         if verdict is None:
-            self.history.append(self.mean)
+            if math.isfinite(mean):
+                self.history.append(mean)
             self.in_a_row = 0
             return "ok"
         self.bad_steps += 1

@@ -8,6 +8,7 @@ rank believes it is alone), so gptforge.pipeline.launch starts these stages with
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from gptforge.core.errors import UserError
+from gptforge.core.files import write_json_atomic
 from gptforge.data.chat import ChosenRows, positions
 from gptforge.model.checkpoints import newest_valid_checkpoint, record_complete
 from gptforge.model.engine import min_lr_rate, zero_config
@@ -106,6 +109,80 @@ class Checkpoints(TrainerCallback):
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if world > 1 else 0
         record_complete(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step, rank, world)
+
+
+class TrainerGuard(TrainerCallback):
+    """model/guard.py's bad-step guard in a TRL trainer. Its `compute_loss` is wrapped: each training micro-batch's
+    loss is observed (drills applied), and at the step's last one every rank learns whether the step is bad; a
+    bad one's loss goes to backward as NaN, so that DeepSpeed drops its update and the Trainer steps no
+    scheduler. A step whose gradient norm is not finite is dropped by DeepSpeed alone. As the Trainer counts,
+    a skipped step is one of max_steps. After max_bad_steps in a row the newest valid checkpoint's weights,
+    optimizer and schedule are loaded; the step count, and with it the data order, go on, so that a resume
+    (which skips global_step x accumulation batches) repeats it. The guard's counts travel in guard.json of
+    each checkpoint."""
+
+    FILE = "guard.json"
+
+    def __init__(self, trainer, section, stage: str, out_dir: Path, resumed: str | None):
+        from gptforge.model.guard import StepGuard
+
+        acc = trainer.accelerator
+        self.trainer, self.out_dir = trainer, out_dir
+        self.guard = StepGuard(section, stage, None, acc.device, acc.process_index, acc.num_processes,
+                               key="preference")
+        if resumed and (Path(resumed) / self.FILE).is_file():
+            self.guard.load_state_dict(json.loads((Path(resumed) / self.FILE).read_text()))
+        compute = trainer.compute_loss
+
+        def compute_loss(model, inputs, *args, **kwargs):
+            out = compute(model, inputs, *args, **kwargs)
+            if not model.training:
+                return out
+            loss = out[0] if isinstance(out, tuple) else out
+            self.guard.next(lambda: None)  # counts the micro-batch for drills
+            self.guard.observe(loss, boundary=acc.sync_gradients)
+            loss = self.guard.gate(loss)
+            return (loss, *out[1:]) if isinstance(out, tuple) else loss
+
+        trainer.compute_loss = compute_loss
+        handler = trainer.callback_handler  # before Checkpoints, which records the checkpoint's files
+        at = next((i for i, c in enumerate(handler.callbacks) if isinstance(c, Checkpoints)), len(handler.callbacks))
+        handler.callbacks.insert(at, self)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.guard.applied = not self.trainer.accelerator.optimizer_step_was_skipped
+        if self.guard.settle(state.global_step) == "rollback":
+            self.rollback(state.global_step)
+        return control
+
+    def rollback(self, step: int) -> None:
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+        from gptforge.model.adapters import is_peft
+        from gptforge.model.checkpoints import no_pickled_code
+
+        g = self.guard
+        ckpt = newest_valid_checkpoint(self.out_dir / "checkpoints", g.rank, g.world, pattern="checkpoint-*")
+        if ckpt is None:
+            raise UserError(f"{g.stage}: step {step}: {g.max_bad} bad steps in a row and no checkpoint to go back "
+                            f"to; stopped: lower preference.save_every, preference.lr, or set preference.grad_clip")
+        if g.rank == 0:
+            print(f"warning: [{g.stage}] step {step}: {g.max_bad} bad steps in a row; rolling back to {ckpt} "
+                  f"(rollback {g.rollbacks} of at most {g.max_rollbacks}), the data order moves past them",
+                  file=sys.stderr, flush=True)
+        with no_pickled_code():
+            deepspeed_load_checkpoint(self.trainer.model_wrapped, str(ckpt),
+                                      load_module_strict=not is_peft(self.trainer.model))
+            if (ckpt / "scheduler.pt").is_file():  # the Trainer's own schedule, where DeepSpeed does not hold it
+                self.trainer.lr_scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt"))
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.guard.rank == 0:
+            d = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            write_json_atomic(d / self.FILE, self.guard.state_dict())
+
+    def final(self) -> dict:
+        return {"bad_steps": self.guard.bad_steps, "rollbacks": self.guard.rollbacks}
 
 
 def resume_point(out_dir: Path, stage: str, rank: int, world: int) -> str | None:

@@ -20,7 +20,7 @@ from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_trainer
-from gptforge.model.hf_trainer import Checkpoints, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.model.hf_trainer import Checkpoints, TrainerGuard, TrainerMetrics, resume_point, trainer_kwargs
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
@@ -60,10 +60,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():
-        trainer.train(resume_from_checkpoint=resume_point(out_dir, "dpo", rank, world))
+        resumed = resume_point(out_dir, "dpo", rank, world)
+        guard = TrainerGuard(trainer, pc, "dpo", out_dir, resumed)
+        trainer.train(resume_from_checkpoint=resumed)
     export_trainer(trainer, tokenizer, out_dir / "model", cfg.model.shard_bytes)
     barrier()
-    return {"global_step": trainer.state.global_step, **metrics.final()}
+    return {"global_step": trainer.state.global_step, **metrics.final(), **guard.final()}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import torch
 from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.errors import UserError
 from gptforge.data import loaders
 from gptforge.data.chat import ChosenRows, positions
 from gptforge.data.loader import DistributedOrder
@@ -36,6 +35,7 @@ from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engi
 from gptforge.model.evaluate import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
                                      same_vocabulary, verify)
 from gptforge.model.export import MODEL_OUTPUTS, export_model, hf_tensor
+from gptforge.model.guard import StepGuard
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
 from gptforge.model.metrics import MetricsLog, Throughput
@@ -159,11 +159,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     engines = {"actor": actor_engine, "critic": critic_engine}
     order = DistributedOrder(len(prompts), per_rank, rank, world, seed=cfg.run.seed)
     kl_ctl = AdaptiveKLController(pc.beta, oc.kl_target, oc.kl_horizon)
-    step = bad_steps = 0
+    step = 0
     state = resume(engines, ckpt, elastic, rank, world, "ppo")
+    guard = StepGuard(pc, "ppo", actor_engine, device, rank, world, key="preference")
     if state:
-        step, bad_steps, kl_ctl.value = state["step"], state["bad_steps"], state["kl_coef"]
+        step, kl_ctl.value = state["step"], state["kl_coef"]
         order.load_state_dict(state["loader"])
+        guard.load_state_dict(state.get("guard"))
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
@@ -172,7 +174,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     tiles = logit_tiles(dist, rows, oc.max_new_tokens, len(tokenizer))  # only the response tokens' logits
     while step < pc.max_steps:
         step += 1
-        ids = order.next_ids()
+        ids = guard.next(order.next_ids)
         batch = [prompts[i] for i in ids]
         t0 = time.perf_counter()
         seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, oc, device, dist.zero_stage == 3)
@@ -186,6 +188,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             rm_score = torch.tensor(reward_scores(reward_model, reward_tokenizer, batch, texts), device=device)
             verified = torch.tensor(verify(texts, [answers[i] for i in ids]), device=device)
             score = oc.reward_model_weight * rm_score + (oc.verifier_weight * verified if oc.verifier_reward else 0)
+            score = score * guard.scale  # a drill's NaN (model/guard.py)
             rewards = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
             advantages, returns = gae(rewards, old_values, mask.float(), oc.gamma, oc.lam)
             advantages = whiten(advantages, mask.float())
@@ -207,25 +210,26 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     finite = False
                     break
                 actor_engine.backward(pg_loss + oc.ptx_coef * ptx_loss + (0 if aux is None else aux))
-                actor_engine.step()
+                guard.step(actor_engine)  # a non-finite gradient norm: DeepSpeed drops that update
                 critic_engine.backward(v_loss)
-                critic_engine.step()
+                guard.step(critic_engine)
                 values_of = [pg_loss, v_loss, clip_frac, masked_mean(entropy, m)] + (
                     [ptx_loss] if ptx_rows is not None else []) + ([aux / moe] if moe else [])
                 for name, v in zip(stat_names, values_of):
                     stats[name] += v.item() / updates
             if not finite:
                 break
+        guard.verdict = None if finite else "reward, advantage or loss NaN/Inf"
+        outcome = guard.settle(step)
+        if outcome == "rollback":  # actor, critic and KL coefficient from the newest checkpoint; prompts go on
+            state = guard.rollback(engines, out_dir / "checkpoints", step)
+            step, kl_ctl.value = state["step"], state["kl_coef"]
+        elif outcome == "skip":
+            step -= 1  # the step is taken again on the prompts that follow
+        if outcome != "ok":
+            bar.n = step
+            continue
         throughput.step(time.perf_counter() - t0, int(attention.sum()))
-        if not finite:
-            bad_steps += 1
-            if rank == 0:
-                print(f"warning: [ppo] step {step}: NaN/Inf in reward or loss, step skipped ({bad_steps} so far)",
-                      file=sys.stderr, flush=True)
-            if bad_steps > oc.max_bad_steps:
-                raise UserError(f"ppo: {bad_steps} steps with NaN/Inf rewards or losses (preference.ppo.max_bad_steps="
-                                f"{oc.max_bad_steps}); stopped, the last good checkpoint is kept in "
-                                f"{out_dir / 'checkpoints'}")
         kl_token = masked_mean(kl_per_token(old_logp, ref_logp), mask.float()).item()
         kl = all_mean(kl_token * mask.sum(1).float().mean().item(), device)  # nats per response
         kl_ctl.update(kl, per_rank * world)
@@ -238,18 +242,19 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     response_length=all_mean(mask.sum(1).float().mean().item(), device),
                     gen_tokens_per_sec=all_mean(mask.sum().item() / gen_seconds, device) * world,
                     tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],
-                    grad_norm=grad_norm(actor_engine), bad_steps=bad_steps,
+                    grad_norm=grad_norm(actor_engine), bad_steps=guard.bad_steps,
                     **{k: all_mean(v, device) for k, v in stats.items()})
         if step % pc.save_every == 0 and step < pc.max_steps:
             save_step(engines, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
-                      "kl_coef": kl_ctl.value, "bad_steps": bad_steps}, rank, world, pc.keep_last)
+                      "kl_coef": kl_ctl.value, "guard": guard.state_dict()}, rank, world, pc.keep_last)
     bar.close()
     log.close()
 
     tokens_per_sec = throughput.rate()
     export_model(actor_engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
     barrier()
-    return {"global_step": step, "bad_steps": bad_steps, "kl_coef": kl_ctl.value, "tokens_per_sec": tokens_per_sec}
+    return {"global_step": step, "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks, "kl_coef": kl_ctl.value,
+            "tokens_per_sec": tokens_per_sec}
 
 
 if __name__ == "__main__":

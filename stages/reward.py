@@ -32,6 +32,7 @@ from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distrib
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.evaluate import generate
 from gptforge.model.export import MODEL_OUTPUTS, export_model
+from gptforge.model.guard import StepGuard
 from gptforge.model.losses import pairwise_reward_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
@@ -139,8 +140,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     order = DistributedOrder(len(train.examples), rc.micro_batch_size, rank, world, seed=cfg.run.seed)
     state = resume({"model": engine}, ckpt, elastic, rank, world, "reward")
     step = state["step"] if state else 0
+    guard = StepGuard(rc, "reward", engine, device, rank, world)
     if state:
         order.load_state_dict(state["loader"])
+        guard.load_state_dict(state.get("guard"))
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
 
     bar = tqdm(total=rc.max_steps, initial=step, desc="reward", file=sys.stderr, disable=rank != 0, mininterval=2.0)
@@ -149,28 +152,35 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     while step < rc.max_steps:
         t0, step_loss, step_acc, step_tokens = time.perf_counter(), 0.0, 0.0, 0
         for _ in range(grad_accum):
-            batch = [train.examples[i] for i in order.next_ids()]
+            batch = [train.examples[i] for i in guard.next(order.next_ids)]
             chosen, rejected = rewards(engine, batch, tokenizer.pad_token_id, device)
             loss = pairwise_reward_loss(chosen, rejected, rc.margin, rc.center_rewards_coefficient)
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / grad_accum
+            step_loss += guard.observe(loss) / grad_accum  # at the boundary: is the step bad on any rank?
+            engine.backward(guard.gate(loss))
+            guard.step()
             step_acc += (chosen > rejected).float().mean().item() / grad_accum
             step_tokens += sum(len(c) + len(r) for c, r in batch)
+        outcome = guard.settle(step + 1)
+        if outcome == "rollback":  # weights and optimizer from the newest checkpoint; the data goes on past here
+            step = guard.rollback({"model": engine}, out_dir / "checkpoints", step + 1)["step"]
+            bar.n = step
+        if outcome != "ok":
+            continue
         step += 1
         throughput.step(time.perf_counter() - t0, step_tokens)
         bar.update(1)
         if step % rc.log_every == 0 or step == rc.max_steps:
             train_loss = all_mean(step_loss, device)
             log.log(step, loss=train_loss, train_reward_accuracy=all_mean(step_acc, device),
-                    lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine), tokens_per_sec=throughput.window_rate())
+                    lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine), tokens_per_sec=throughput.window_rate(),
+                    bad_steps=guard.bad_steps)
         if step % rc.eval_every == 0 or step == rc.max_steps:
             accuracy, margin = evaluate(engine, val.examples, rc.micro_batch_size, tokenizer.pad_token_id,
                                         rank, world, device)
             log.log(step, reward_accuracy=accuracy, reward_margin=margin)
         if step % rc.save_every == 0 and step < rc.max_steps:
-            save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict()},
-                        rank, world, rc.keep_last)
+            save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
+                      "guard": guard.state_dict()}, rank, world, rc.keep_last)
     bar.close()
     log.close()
 
@@ -179,7 +189,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     barrier()
     return {"reward_accuracy": round(accuracy, 6), "reward_margin": round(margin, 6),
             "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,
-            "bad_rows": data.bad_rows,
+            "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks, "bad_rows": data.bad_rows,
             "policy_pairs": len(added), "policy_samples": sampled,
             "skipped_identical": train.skipped["identical_responses"] + val.skipped["identical_responses"],
             "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],

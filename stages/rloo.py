@@ -23,9 +23,9 @@ from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.evaluate import policy_and_judge
 from gptforge.model.export import MODEL_OUTPUTS, export_trainer
-from gptforge.model.hf_trainer import (Checkpoints, TrainerMetrics, answered_dataset, online_rewards,
-                                       positions_from_mask, resume_point, trainer_kwargs, use_reference,
-                                       with_ptx)
+from gptforge.model.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, answered_dataset,
+                                       online_rewards, positions_from_mask, resume_point, trainer_kwargs,
+                                       use_reference, with_ptx)
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
 
@@ -61,10 +61,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
     with no_pickled_code():
-        trainer.train(resume_from_checkpoint=resume_point(out_dir, "rloo", rank, world))
+        resumed = resume_point(out_dir, "rloo", rank, world)
+        guard = TrainerGuard(trainer, pc, "rloo", out_dir, resumed)
+        trainer.train(resume_from_checkpoint=resumed)
     export_trainer(trainer, tokenizer, out_dir / "model", cfg.model.shard_bytes)
     barrier()
-    return {"global_step": trainer.state.global_step, **metrics.final()}
+    return {"global_step": trainer.state.global_step, **metrics.final(), **guard.final()}
 
 
 if __name__ == "__main__":

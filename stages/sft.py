@@ -34,6 +34,7 @@ from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import build_config, deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_model
+from gptforge.model.guard import StepGuard
 from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model import sequence_parallel
@@ -109,8 +110,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     order = DistributedOrder(len(examples), sc.micro_batch_size, dp_rank, dp_world, seed=cfg.run.seed)
     state = resume({"model": engine}, ckpt, elastic, rank, world, "sft")
     step = state["step"] if state else 0
+    guard = StepGuard(sc, "sft", engine, device, rank, world)
     if state:
         order.load_state_dict(state["loader"])
+        guard.load_state_dict(state.get("guard"))
     base_val_loss = state["base_val_loss"] if state else val_loss(engine, val.examples, sc.micro_batch_size,
                                                                     tokenizer.pad_token_id, dp_rank, dp_world,
                                                                     device, tiles, sp)
@@ -122,7 +125,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     while step < sc.max_steps:
         t0, step_loss, step_aux, step_tokens = time.perf_counter(), 0.0, 0.0, 0
         for _ in range(grad_accum):
-            inputs, y, tokens = model_batch([examples[i] for i in order.next_ids()], tokenizer.pad_token_id)
+            inputs, y, tokens = model_batch([examples[i] for i in guard.next(order.next_ids)], tokenizer.pad_token_id)
             if sp is not None:  # this rank's slice of the rows; the loss is the group's token mean
                 inputs, y = sp.shard_batch(inputs["input_ids"], y)
                 tokens /= sp.size
@@ -133,26 +136,33 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             else:
                 summed, out = lm_loss(engine, inputs, y.to(device), tiles, reduction="sum")
                 loss, scaled = sp.group_mean(summed, (y != -100).sum())
+            step_loss += guard.observe(loss) / grad_accum  # at the boundary: is the step bad on any rank?
             aux = router_loss(out, engine.module.config)
-            engine.backward(scaled if aux is None else scaled + aux * (sp.backward_scale if sp else 1.0))
-            engine.step()
-            step_loss += loss.item() / grad_accum
+            engine.backward(guard.gate(scaled if aux is None else scaled + aux * (sp.backward_scale if sp else 1.0)))
+            guard.step()
             step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
             step_tokens += tokens
+        outcome = guard.settle(step + 1)
+        if outcome == "rollback":  # weights and optimizer from the newest checkpoint; the data goes on past here
+            step = guard.rollback({"model": engine}, out_dir / "checkpoints", step + 1)["step"]
+            bar.n = step
+        if outcome != "ok":
+            continue
         step += 1
         throughput.step(time.perf_counter() - t0, step_tokens)
         bar.update(1)
         if step % sc.log_every == 0 or step == sc.max_steps:
             train_loss = all_mean(step_loss, device)
             log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
-                    tokens_per_sec=throughput.window_rate(),
+                    tokens_per_sec=throughput.window_rate(), bad_steps=guard.bad_steps,
                     **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
         if step % sc.eval_every == 0 or step == sc.max_steps:
             loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_world,
                                 device, tiles, sp)
             log.log(step, val_loss=loss_val)
         if step % sc.save_every == 0 and step < sc.max_steps:
-            state = {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss}
+            state = {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss,
+                     "guard": guard.state_dict()}
             save_step({"model": engine}, out_dir / "checkpoints", step, state, rank, world, sc.keep_last)
     bar.close()
     log.close()
@@ -162,6 +172,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     barrier()
     return {"val_loss": round(loss_val, 6), "base_val_loss": round(base_val_loss, 6),
             "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,
+            "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks,
             "bad_rows": data.bad_rows,
             "skipped_no_assistant_turn": train.skipped["no_assistant_turn"] + val.skipped["no_assistant_turn"],
             "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],

@@ -95,3 +95,24 @@ def test_two_local_nodes_train_dpo_as_one_node_with_two_processes(chain, dpo, tm
     assert manifest["world_size"] == 2 and "[node 1]" in out
     assert [r["loss"] for r in rows(out_dir) if "loss" in r] == pytest.approx(
         [r["loss"] for r in rows(dpo[1]) if "loss" in r], abs=1e-3)
+
+
+def test_dpo_skips_bad_steps_and_rolls_back_through_its_callback(chain, tmp_path, monkeypatch):
+    """Drills (model/guard.py) in a TRL stage: micro-batch 3's loss NaN on rank 1, 5th a spike (x10), 7th and 8th
+    NaN. Steps 3 and 5 are skipped (no update, the schedule held), 7 and 8 roll back to checkpoint-6; the run
+    ends at max_steps with finite weights."""
+    from safetensors.torch import load_file
+
+    cfg, path = prepared(chain, tmp_path, *DPO, "preference.max_steps=10", "preference.spike_factor=3",
+                         "preference.spike_window=2", "preference.max_bad_steps=2")
+    monkeypatch.setenv("GPTFORGE_FAULTS", "nan@3:1,spike@5:1,nan@7:1,nan@8:1")
+    manifest, out_dir, out = run_stage(cfg, path, "dpo")
+    m = manifest["metrics"]
+    assert m["bad_steps"] == 4 and m["rollbacks"] == 1 and m["global_step"] == 10, "\n".join(
+        line for line in out.splitlines() if "warning" in line or "step" in line)
+    assert "[dpo] step 3: loss NaN/Inf on 1 of 2 rank(s); step skipped" in out
+    assert "[dpo] step 5: loss " in out and "over spike_factor 3 x the median" in out
+    assert "rolling back to" in out and "checkpoint-6" in out
+    lr = {r["step"]: r["lr"] for r in rows(out_dir) if "lr" in r}
+    assert lr[2] != lr[3] and lr[4] == lr[3]  # no scheduler step for the skipped step 3
+    assert all(t.isfinite().all() for t in load_file(out_dir / "model" / "model.safetensors").values())

@@ -14,7 +14,7 @@ from gptforge.model.checkpoints import newest_valid_checkpoint
 from gptforge.pipeline.launch import StageFailed
 from gptforge.pipeline.launch import run_stage as run_step
 from gptforge.pipeline.store import RunRecord, locate, read_manifest
-from tests.helpers import config, copy_store, logged, run_stage, tokenize_in_process
+from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_in_process
 
 pytestmark = pytest.mark.slow
 GUARDED = ["distributed.zero_stage=2", "model.dropout=0.0", "pretrain.max_steps=10", "pretrain.save_every=1",
@@ -103,3 +103,22 @@ def test_a_hung_rank_ends_the_stage_within_its_timeout_naming_the_rank(tokenized
     monkeypatch.delenv("GPTFORGE_FAULTS")
     manifest, _, out = run_stage(cfg, path, "pretrain")  # the retry resumes from the newest checkpoint
     assert "[pretrain] resumed from" in out and manifest["metrics"]["global_step"] == 10
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_sft_and_reward_skip_a_nan_batch_and_a_spike_like_a_run_without_them(chain, stage, tmp_path, monkeypatch):
+    """The same guard in the other loops of ours (PPO: test_ppo.py; the TRL stages: test_dpo.py)."""
+    steps = [f"{stage}.max_steps=6", f"{stage}.save_every=10", f"{stage}.eval_every=6", f"{stage}.spike_factor=3",
+             f"{stage}.spike_window=2", "distributed.zero_stage=2", "model.dropout=0.0"]
+    weights = []
+    for name, faults in (("faults", "nan@3:1,spike@5:1"), ("clean", "drop@3,drop@5")):
+        cfg, path = prepared(chain, tmp_path / name, *steps)
+        monkeypatch.setenv("GPTFORGE_FAULTS", faults)
+        manifest, out_dir, out = run_stage(cfg, path, stage)
+        assert manifest["metrics"]["bad_steps"] == (2 if name == "faults" else 0)
+        assert name == "clean" or f"warning: [{stage}] step 3: loss NaN/Inf on 1 of 2 rank(s)" in out
+        assert manifest["metrics"]["global_step"] == 6
+        weights.append(load_file(out_dir / "model" / "model.safetensors"))
+    for k in weights[0]:
+        assert weights[0][k].isfinite().all()
+        assert (weights[0][k] - weights[1][k]).abs().max() < 1e-6, k

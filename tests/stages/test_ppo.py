@@ -5,9 +5,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from gptforge.core.files import sha256_file
 from gptforge.model.checkpoints import newest_valid_checkpoint
 from gptforge.model.metrics import NAMES
 from gptforge.pipeline.store import locate
@@ -41,22 +39,19 @@ def test_ppo_sigkill_then_rerun_matches_uninterrupted(chain, ppo, tmp_path):
     assert logged(out_dir, "reward_mean") == pytest.approx(logged(ppo[1], "reward_mean"), abs=1e-6)
 
 
-def test_ppo_nan_rewards_are_skipped_then_fail_keeping_the_last_checkpoint(chain, tmp_path):
-    cfg, path = prepared(chain, tmp_path, *PPO, "preference.save_every=1", "preference.ppo.max_bad_steps=2")
-    reward_dir = locate(cfg, "reward")[0]
-    weights = reward_dir / "model" / "model.safetensors"
-    tensors = load_file(weights)
-    tensors["score.weight"] = torch.full_like(tensors["score.weight"], float("nan"))
-    save_file(tensors, weights, metadata={"format": "pt"})
-    manifest = json.loads((reward_dir / "manifest.json").read_text())  # a complete output that scores NaN
-    manifest["files"]["model/model.safetensors"] = sha256_file(weights)
-    (reward_dir / "manifest.json").write_text(json.dumps(manifest))
-
+def test_ppo_nan_rewards_are_skipped_rolled_back_then_fail_keeping_the_last_checkpoint(chain, tmp_path, monkeypatch):
+    """From its 3rd prompt batch on, the rewards are NaN (a drill, model/guard.py): steps 1-2 train and are
+    checkpointed; the next two batches are skipped, the stage rolls back to step 2, the two after fail it."""
+    cfg, path = prepared(chain, tmp_path, *PPO, "preference.save_every=1", "preference.max_bad_steps=2",
+                         "preference.max_rollbacks=1")
+    monkeypatch.setenv("GPTFORGE_FAULTS", "nan@3+")
     with launch(cfg, path, "ppo") as proc:
         out, _ = proc.communicate(timeout=900)
     assert proc.returncode != 0
-    assert "NaN/Inf in reward or loss, step skipped (1 so far)" in out
-    assert "3 steps with NaN/Inf rewards or losses (preference.ppo.max_bad_steps=2)" in out
+    assert "[ppo] step 3: reward, advantage or loss NaN/Inf; step skipped (1 bad, 1 in a row)" in out
+    assert "rolling back to" in out
+    assert "error: ppo: step 3: reward, advantage or loss NaN/Inf, 2 bad steps in a row (preference.max_bad_steps=2) " \
+           "after 1 rollback(s) (preference.max_rollbacks=1)" in out
     out_dir = locate(cfg, "ppo")[0]
     assert newest_valid_checkpoint(out_dir / "checkpoints") == out_dir / "checkpoints" / "step-00000002"
     assert not (out_dir / "manifest.json").exists() and not (out_dir / "result.json").exists()
