@@ -53,11 +53,21 @@ def engine(address: str | None, workers: int, units: int):
         yield in_process
         return
     import ray
+    from ray._private import ray_constants
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no telemetry (and no network here)
     if address is None:
-        ray.init(address="local", num_cpus=workers, include_dashboard=False, configure_logging=False,
-                 object_store_memory=256 << 20, runtime_env={"env_vars": ENV})
+        # A local instance listens on 127.0.0.1 alone. Ray binds its servers (GCS, raylet and object manager,
+        # workers, the runtime-env agent, the autoscaler's metrics) to loopback only where the node's address is
+        # loopback, and takes the node's address for 127.0.0.1 only with ENABLE_RAY_CLUSTER off (what
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 sets at import; _private/services.py: resolve_ip_for_localhost).
+        # Otherwise everything listens on every interface of the host.
+        cluster, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+        try:
+            ray.init(address="local", num_cpus=workers, include_dashboard=False, configure_logging=False,
+                     object_store_memory=256 << 20, runtime_env={"env_vars": ENV}, _node_ip_address="127.0.0.1")
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = cluster
     else:
         check_reachable(address)
         ray.init(address=address, configure_logging=False, runtime_env={"env_vars": ENV})

@@ -207,14 +207,24 @@ def win_rate(answers: list[str], other_answers: list[str], scores: list[float], 
     return sum(wins) / len(wins)
 
 
+def standard_error(values: list[float]) -> float:
+    """The standard error of the mean of `values` (0 for fewer than two)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
+
+
 def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
                       synced: bool = False, verifiable: bool = True,
                       reward_tokenizer=None, cache: str = "full") -> tuple[dict, list[str]]:
     """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
     SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
-    samples from the policy (nats per response), and on `verifiable` items (the demo's) the exact match of both
-    (`reward_tokenizer`: the reward model's, where it is not the policy's);
+    samples from the policy (nats per response, with the standard error of that mean: a single-sample estimate, it
+    can come out slightly negative where the two models are close), and on `verifiable` items (the demo's) the
+    exact match of both (`reward_tokenizer`: the reward model's, where it is not the policy's);
     and the policy's greedy answers. Batched; each rank takes its share of the batches (`shares`), every rank gets
     the report; `synced`: the models are partitioned (ZeRO-3)."""
     records = []
@@ -236,7 +246,7 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
     col = {key: [r[key] for r in rows] for key in rows[0]}
     report = {"win_rate_vs_sft": win_rate(col["answer"], col["sft_answer"], col["score"], col["sft_score"]),
               "reward_mean": sum(col["score"]) / len(items), "sft_reward_mean": sum(col["sft_score"]) / len(items),
-              "kl": sum(col["kl"]) / len(items)}
+              "kl": sum(col["kl"]) / len(items), "kl_stderr": standard_error(col["kl"])}
     if verifiable:
         truth = [it["answer"] for it in items]
         report |= {"exact_match": score_references(col["answer"], truth, ["exact_match"])["exact_match"],

@@ -62,6 +62,7 @@ class TrainerMetrics(TrainerCallback):
         self.steps = 0
         self.window_seconds, self.window_steps, self.window_timed = 0.0, 0, 0
         self.tokens_seen = None
+        self.all_seconds, self.tokens_at_start = 0.0, 0 if state.global_step == 0 else None
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
@@ -69,9 +70,13 @@ class TrainerMetrics(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.steps += 1
         self.window_steps += 1
+        self.all_seconds += time.perf_counter() - self.t0
         if self.steps > WARMUP_STEPS:
             self.window_timed += 1
             self.window_seconds += time.perf_counter() - self.t0
+        if state.global_step >= state.max_steps:  # the last step is logged, whatever log_every says
+            control.should_log = True
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         metrics = from_trainer(logs or {})
@@ -90,8 +95,11 @@ class TrainerMetrics(TrainerCallback):
         self.log.close()
 
     def final(self) -> dict:
-        """The stage's final training metrics."""
-        return {"train_loss": self.last.get("loss"), "tokens_per_sec": self.throughput.rate()}
+        """The stage's final training metrics; a start no longer than the warm-up is timed whole."""
+        rate = self.throughput.rate()
+        if rate is None and self.tokens_seen is not None and self.tokens_at_start is not None and self.all_seconds:
+            rate = round((self.tokens_seen - self.tokens_at_start) / self.all_seconds, 1)
+        return {"train_loss": self.last.get("loss"), "tokens_per_sec": rate}
 
 
 class Checkpoints(TrainerCallback):

@@ -50,6 +50,7 @@ NAMES = {
     "verifier_reward": "share of the step's responses that are the demo item's known answer",
     "frac_reward_zero_std": "share of prompt groups whose responses all got the same reward",
     "kl": "KL(policy || reference) in nats per response",
+    "kl_stderr": "standard error of the held-out kl estimate (a small negative kl within it is noise)",
     "kl_per_token": "KL(policy || reference) in nats per response token",
     "kl_coef": "KL penalty coefficient",
     "entropy": "mean entropy of the policy's next-token distribution over response tokens (nats)",
@@ -169,9 +170,12 @@ class Throughput:
         self.reduce, self.warmup, self.steps = reduce, warmup, 0
         self._window = [0.0, 0]  # seconds, tokens since the last window_rate
         self._total = [0.0, 0]
+        self._all = [0.0, 0]  # warm-up included: the rate of a start too short to have timed steps
 
     def step(self, seconds: float, tokens: int) -> None:
         self.steps += 1
+        self._all[0] += seconds
+        self._all[1] += tokens
         if self.steps > self.warmup:
             for acc in (self._window, self._total):
                 acc[0] += seconds
@@ -184,6 +188,8 @@ class Throughput:
         return tokens / seconds if seconds else None
 
     def rate(self) -> float | None:
-        """tokens_per_sec over every timed step of this start."""
-        tokens = self.reduce(self._total[1])
-        return round(tokens / self._total[0], 1) if self._total[0] else None
+        """tokens_per_sec over every timed step of this start; over all its steps, warm-up included, where it took
+        no more than the warm-up."""
+        seconds, tokens = self._total if self._total[0] else self._all
+        tokens = self.reduce(tokens)
+        return round(tokens / seconds, 1) if seconds else None

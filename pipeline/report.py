@@ -46,13 +46,19 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
 
 
-def stage_panels(rows: list[dict]) -> list[tuple[str, dict[str, list], str]]:
-    """The panels a stage's log fills: [(title, {key: points}, y label)]."""
+# What a stage's `loss` is, where it is not the next-token loss: the pairwise losses (the reward model's
+# Bradley-Terry loss, DPO's) are one number per pair; GRPO's and RLOO's a policy objective, not a likelihood.
+LOSS_UNITS = {"reward": "pairwise loss (nats/pair)", "dpo": "pairwise loss (nats/pair)",
+              "grpo": "policy loss (per token)", "rloo": "policy loss (per token)"}
+
+
+def stage_panels(rows: list[dict], stage: str = "") -> list[tuple[str, dict[str, list], str]]:
+    """The panels a stage's log fills: [(title, {key: points}, y label)]; `stage` names the loss's unit."""
     out = []
     for title, keys, unit in PANELS:
         lines = {k: points for k in keys if (points := series(rows, k))}
         if lines:
-            out.append((title, lines, unit))
+            out.append((title, lines, LOSS_UNITS.get(stage, unit) if title == "loss" else unit))
     return out
 
 
@@ -89,7 +95,7 @@ def make_plots(stages: dict, plots_dir: Path) -> list[str]:
     names, kl = [], []
     for stage, info in stages.items():
         rows = read_log(Path(info["output"])) if info.get("output") else []
-        panels = stage_panels(rows)
+        panels = stage_panels(rows, stage)
         if panels:
             draw(panels, stage, plots_dir / f"{stage}.png")
             names.append(stage)
@@ -120,7 +126,8 @@ def stage_table(stage: str, info: dict) -> str:
     seconds = info.get("seconds")
     head = ["stage", "action", "time"] + keys
     cells = [name, info.get("action", ""), duration(seconds) if isinstance(seconds, (int, float)) else ""]
-    cells += [_fmt(m[k]) for k in keys]
+    cells += [_fmt(m[k]) + (f" ± {_fmt(m[k + '_stderr'])}" if m.get(k + "_stderr") is not None else "")
+              for k in keys]  # an estimate with its standard error
     table = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), "| " + " | ".join(cells) + " |"]
     notes = [f"\nNot computed: {m['unscored']}."] if m.get("unscored") else []
     if approval := info.get("approval"):  # run.approve_before

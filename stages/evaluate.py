@@ -96,6 +96,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 f.write(json.dumps({"prompt": it["prompt"], "answer": it["answer"], "response": r}) + "\n")
         for it, r in list(zip(items, responses))[:5]:
             print(f"[eval] {it['prompt'][-1]['content']!r} -> {r!r} (answer {it['answer']!r})", flush=True)
+        if "kl_stderr" in metrics:
+            print(f"[eval] KL to the SFT model: {metrics['kl']:.4f} ± {metrics['kl_stderr']:.4f} nats/response "
+                  f"(standard error, {len(items)} items)", flush=True)
     metrics = {k: round(v, 6) for k, v in metrics.items()}
     if policy is None and unscored:
         metrics["unscored"] = f"{unscored} in {held_out.source}"

@@ -65,6 +65,14 @@ def test_report_of_a_policy_against_itself_and_another(tokenizer):
         other.lm_head.weight.mul_(20.0)
     far, _ = preference_report(other, sft, rm, tokenizer, items, max_new_tokens=4)
     assert far["kl"] > 1.0
+    assert same["kl_stderr"] < 1e-5 and 0 < far["kl_stderr"] < far["kl"]  # the error of the mean
+
+
+def test_standard_error_of_a_mean():
+    from gptforge.model.evaluate import standard_error
+
+    assert standard_error([1.0, 3.0]) == pytest.approx(1.0)  # sd sqrt(2) over sqrt(2)
+    assert standard_error([2.0] * 5) == 0.0 and standard_error([4.0]) == 0.0
 
 
 def test_a_reward_model_with_another_vocabulary_is_an_error(tokenizer, tmp_path):

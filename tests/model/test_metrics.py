@@ -45,3 +45,10 @@ def test_throughput_leaves_out_warm_up_and_sums_processes():
     t.step(2.0, 200)
     assert t.window_rate() == pytest.approx(400 / 2.0)
     assert t.rate() == pytest.approx(2 * 600 / 4.0)
+
+
+def test_a_start_no_longer_than_the_warm_up_is_timed_whole():
+    t = Throughput(warmup=5)
+    for _ in range(3):
+        t.step(2.0, 100)
+    assert t.window_rate() is None and t.rate() == pytest.approx(50.0)  # a 3-step run still reports its rate

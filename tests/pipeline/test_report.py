@@ -49,6 +49,9 @@ def test_each_panel_holds_one_quantity_with_its_unit():
                       "preference accuracy": (["reward_accuracy"], "chosen ranked first (fraction)"),
                       "preference margin": (["reward_margin"], "chosen - rejected (reward)"),
                       "throughput": (["tokens_per_sec"], "tokens/s")}
+    # a pairwise loss is per pair, not per token
+    assert stage_panels(LOGS["dpo"], "dpo")[0][::2] == ("loss", "pairwise loss (nats/pair)")
+    assert stage_panels(LOGS["pretrain"], "pretrain")[0][::2] == ("loss", "loss (nats/token)")
 
 
 def test_the_prefect_report_carries_its_plots_inline(tmp_path):
@@ -61,3 +64,10 @@ def test_the_prefect_report_carries_its_plots_inline(tmp_path):
 
     assert base64.b64decode(images[0][1]) == (run_dir / "plots" / "pretrain.png").read_bytes()
     assert "(plots/" not in shown
+
+
+def test_an_estimate_is_shown_with_its_standard_error():
+    from gptforge.pipeline.report import stage_table
+
+    table = stage_table("evaluate-dpo", {"metrics": {"kl": -0.004, "kl_stderr": 0.011}, "action": "computed"})
+    assert "| -0.004 ± 0.011 |" in table  # a small negative KL reads as noise

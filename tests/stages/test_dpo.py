@@ -116,3 +116,12 @@ def test_dpo_skips_bad_steps_and_rolls_back_through_its_callback(chain, tmp_path
     lr = {r["step"]: r["lr"] for r in rows(out_dir) if "lr" in r}
     assert lr[2] != lr[3] and lr[4] == lr[3]  # no scheduler step for the skipped step 3
     assert all(t.isfinite().all() for t in load_file(out_dir / "model" / "model.safetensors").values())
+
+
+def test_a_dpo_shorter_than_its_log_interval_reports_its_loss_and_rate(chain, tmp_path):
+    cfg, path = prepared(chain, tmp_path, *DPO, "preference.max_steps=5", "preference.log_every=10",
+                         "preference.save_every=10")
+    manifest, out_dir, _ = run_stage(cfg, path, "dpo")
+    m = manifest["metrics"]
+    assert [r["step"] for r in rows(out_dir) if "loss" in r] == [5]  # the last step is logged
+    assert m["train_loss"] == pytest.approx(rows(out_dir)[-1]["loss"]) and m["tokens_per_sec"] > 0
