@@ -49,6 +49,9 @@ def test_wrong_type_names_the_key():
     (["preference.algorithm=grpo", "preference.global_batch_size=64", "preference.grpo.ptx_batch_size=6"],
      r"preference.grpo.ptx_batch_size=6 is not divisible by global_batch_size/micro_batch_size = 4"),
     (["preference.dpo.los_type=ipo"], r"unknown key preference.dpo.los_type; did you mean preference.dpo.loss_type\?"),
+    (["pretrain.spike_factor=1"], r"pretrain.spike_factor"),  # a spike is over the median, not at it
+    (["sft.max_bad_steps=0"], r"sft.max_bad_steps"),
+    (["distributed.timeout_minutes=0.5"], r"distributed.timeout_minutes"),
 ])
 def test_impossible_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):

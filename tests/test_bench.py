@@ -1,0 +1,84 @@
+"""Every script in bench/ runs, shrunk, so that none rots unseen: each is started as a user starts it, on a tiny
+model and a few steps, and must exit 0 and print the figure it exists for. The figures themselves (ratios against
+targets) are read from full runs, never asserted here. bench/gpu.sh: tests/test_infra.py."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+# Every stage a bench runs, a few steps on a one-layer model, one process.
+SHRUNK = ["model.n_layer=1", "distributed.nproc_per_node=1", "pretrain.max_steps=4", "pretrain.save_every=100",
+          "pretrain.eval_every=4", "pretrain.eval_batches=1", "pretrain.warmup_steps=1", "eval.items=8",
+          "eval.batch_size=8", "reward.policy_samples=0", "preference.algorithm=dpo"]
+for _s in ("sft", "reward", "preference"):
+    SHRUNK += [f"{_s}.max_steps=3", f"{_s}.save_every=100", f"{_s}.eval_every=3", f"{_s}.warmup_steps=1",
+               f"{_s}.micro_batch_size=4", f"{_s}.global_batch_size=4"]
+BROWSER = Path("/usr/bin/chromedriver").exists() and shutil.which("chromium") is not None
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def bench(script: str, *args: str, timeout: int = 900) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "SE_AVOID_STATS": "true"}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return proc.stdout
+
+
+def test_tokenize_bench(tmp_path):
+    out = bench("tokenize_bench.py", "--gb", "0.003", "--workers", "2")
+    assert re.search(r"ratio gptforge/baseline tokens/s: [\d.]+x \(target >= 1.5x\)", out), out
+
+
+def test_pretrain_bench(tmp_path):
+    out = bench("pretrain.py", "--steps", "8", "--compile", "off",
+                *sets([f"run.root={tmp_path}", "model.n_layer=1", "pretrain.eval_every=100"]))
+    assert re.search(r"baseline \(1 process, plain PyTorch, eager\): +[\d,]+ tokens/s", out), out
+    assert re.search(r"ZeRO-\d, eager\): +[\d,]+ tokens/s .* ratio [\d.]+x", out), out
+
+
+def test_ppo_bench(chain):
+    out = bench("ppo.py", "-c", str(chain["root"] / "pipeline.yaml"), "--prompts", "8", "--new-tokens", "4")
+    assert re.search(r"ratio cache/no cache: [\d.]+x", out), out
+    assert re.search(r"one PPO iteration .*\n  generation .*\n  scoring .*\n  training ", out), out
+
+
+def test_long_context_bench():
+    out = bench("long_context.py", "--cap-gib", "8", "--start", "256", "--max", "256", "--common", "256")
+    assert re.search(r"targets: longest >= 3x baseline: [\d.]+x", out), out
+
+
+def test_lora_bench():
+    out = bench("lora.py", "--smoke")
+    assert re.search(r"memory: LoRA / full = [\d.]+x", out) and "speed: gptforge LoRA / TRL SFTTrainer" in out, out
+
+
+def test_from_pretrained_bench():
+    out = bench("from_pretrained.py", "--sft-steps", "3", *sets(SHRUNK))
+    assert re.search(r"lora SFT: +exact_match [\d.]+", out) and re.search(r"full SFT: +exact_match", out), out
+
+
+def test_demo_seeds_bench(tmp_path):
+    out = bench("demo_seeds.py", "--seeds", "0", "--root", str(tmp_path), *sets(SHRUNK))
+    assert re.search(r"\| sft \| [\d.]+ \|", out) and "| dpo |" in out and "| reward accuracy |" in out, out
+
+
+@pytest.mark.skipif(not BROWSER, reason="needs chromium and chromium-driver (apt) and selenium (.[browser])")
+@pytest.mark.parametrize("script", ["report_browser.py", "team_ui.py"])
+def test_browser_benches(script, tmp_path):
+    pytest.importorskip("selenium")
+    bench(script, "--out", str(tmp_path))
+    assert any(tmp_path.glob("*.png"))
