@@ -54,13 +54,15 @@ def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
-def return_freed_memory(threshold: int = 1 << 20) -> None:
+def return_freed_memory(threshold: int = 8 << 20) -> None:
     """Have glibc map every host allocation of `threshold` bytes or more on its own and unmap it when freed. By
-    default glibc raises that threshold as large blocks are freed, and then serves them from a heap it rarely
-    returns: ZeRO-3, which gathers and frees every layer's parameters each step, then held about twice its model
-    states in resident memory (a 152M-parameter model on 2 CPU processes: 3.2 GiB a process instead of 2.1). It
-    taxes every large allocation with fresh zeroed pages (a third of a ZeRO-2 CPU step), so only ZeRO-3 asks for
-    it (gptforge.model.engine.zero_config)."""
+    default glibc raises that threshold as large blocks are freed (up to 32 MiB), and then serves them from a heap
+    it rarely returns: ZeRO-3, which gathers and frees every layer's parameters each step, then held about twice its
+    model states in resident memory (a 152M-parameter model on 2 CPU processes: 3.2 GiB a process instead of 2.3).
+    Each such allocation gets fresh zeroed pages, a tax that at 1 MiB took 14% of a ZeRO-3 CPU step
+    (bench/pretrain.py --set distributed.zero_stage=3: 9.1k tokens/s against 10.5k without); at 8 MiB, what a
+    layer's gathered matrices and ZeRO's buckets are, it is within noise (10.7k) and the peak stays bounded (2.35
+    GiB, tests/stages/test_zero3.py). Only ZeRO-3 asks for it (gptforge.model.engine.zero_config)."""
     import ctypes
 
     try:
