@@ -61,7 +61,8 @@ class Faults:
 class StepGuard:
     """One stage's bad-step guard (see the module's doc). Per micro-batch: `next` draws (with drills), `observe`
     takes its loss, `gate` the tensor given to backward, `step` steps the engine; once a step, `settle` says
-    "ok", "skip" or "rollback", and `rollback` loads the newest valid checkpoint."""
+    "ok", "skip" or "rollback", and `rollback` loads the newest valid checkpoint (`advance`: both, for a loop
+    that counts good steps)."""
 
     def __init__(self, section, stage: str, engine, device: torch.device, rank: int, world: int,
                  key: str | None = None):
@@ -176,6 +177,14 @@ class StepGuard:
         self.rollbacks += 1
         self.in_a_row = 0
         return "rollback"
+
+    def advance(self, step: int, engines: dict, ckpt_root: Path) -> tuple[int, bool]:
+        """After the optimizer step that would make `step` + 1: (the step count, whether that step counts). A bad
+        step leaves the count; a rollback sets it to the checkpoint's (the loader stays where it is)."""
+        outcome = self.settle(step + 1)
+        if outcome == "rollback":
+            return self.rollback(engines, ckpt_root, step + 1)["step"], False
+        return (step, False) if outcome == "skip" else (step + 1, True)
 
     def rollback(self, engines: dict, ckpt_root: Path, step: int) -> dict:
         """Load the newest valid checkpoint into `engines`; its client state. The caller keeps its loader where it

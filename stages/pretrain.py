@@ -170,13 +170,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 engine.backward(guard.gate(loss if aux is None else loss + aux) * (sp.backward_scale if sp else 1.0))
                 guard.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
             step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
-        outcome = guard.settle(step + 1)
-        if outcome == "rollback":  # weights and optimizer from the newest checkpoint; the data goes on past here
-            step = guard.rollback({"model": engine}, ckpt_root, step + 1)["step"]
+        step, counts = guard.advance(step, {"model": engine}, ckpt_root)  # bad: skipped, or rolled back
+        if not counts:  # the data goes on past the bad batches
             bar.n = step
-        if outcome != "ok":
             continue
-        step += 1
         throughput.step(time.perf_counter() - t0, tokens_per_step)
         bar.update(1)
         if step % pc.log_every == 0 or step == pc.max_steps:

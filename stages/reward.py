@@ -160,13 +160,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             guard.step()
             step_acc += (chosen > rejected).float().mean().item() / grad_accum
             step_tokens += sum(len(c) + len(r) for c, r in batch)
-        outcome = guard.settle(step + 1)
-        if outcome == "rollback":  # weights and optimizer from the newest checkpoint; the data goes on past here
-            step = guard.rollback({"model": engine}, out_dir / "checkpoints", step + 1)["step"]
+        step, counts = guard.advance(step, {"model": engine}, out_dir / "checkpoints")  # bad: skipped, or rolled back
+        if not counts:  # the data goes on past the bad batches
             bar.n = step
-        if outcome != "ok":
             continue
-        step += 1
         throughput.step(time.perf_counter() - t0, step_tokens)
         bar.update(1)
         if step % rc.log_every == 0 or step == rc.max_steps:
