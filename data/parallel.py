@@ -65,7 +65,7 @@ def engine(address: str | None, workers: int, units: int):
         cluster, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
         try:
             ray.init(address="local", num_cpus=workers, include_dashboard=False, configure_logging=False,
-                     object_store_memory=256 << 20, runtime_env={"env_vars": ENV}, _node_ip_address="127.0.0.1")
+                     object_store_memory=256 << 20, runtime_env={"env_vars": ENV})
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = cluster
     else:

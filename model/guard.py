@@ -123,9 +123,9 @@ class StepGuard:
             engine.step()
             applied = not boundary or engine.was_step_applied()
         else:
-            # ZeRO-0 in fp32: the gradients are whole and reduced by now, the same on every rank
-            applied = all(bool(torch.isfinite(p.grad).all()) for p in engine.module.parameters()
-                          if p.grad is not None)
+            # ZeRO-0 in fp32: the gradients are whole and reduced by now, the same on every rank (one sync)
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            applied = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
             with _skipped(optimizer, not applied):
                 engine.step()
         self.applied = self.applied and applied
@@ -186,10 +186,9 @@ class StepGuard:
             return self.rollback(engines, ckpt_root, step + 1)["step"], False
         return (step, False) if outcome == "skip" else (step + 1, True)
 
-    def rollback(self, engines: dict, ckpt_root: Path, step: int) -> dict:
-        """Load the newest valid checkpoint into `engines`; its client state. The caller keeps its loader where it
-        is, past the bad batches."""
-        ckpt = newest_valid_checkpoint(ckpt_root, self.rank, self.world)
+    def rollback_point(self, ckpt_root: Path, step: int, pattern: str = "step-*") -> Path:
+        """The newest valid checkpoint to roll back to at `step` (said on rank 0); one error line where none is."""
+        ckpt = newest_valid_checkpoint(ckpt_root, self.rank, self.world, pattern)
         if ckpt is None:
             raise UserError(f"{self.stage}: step {step}: {self.max_bad} bad steps in a row and no checkpoint to go "
                             f"back to; stopped: lower {self.key}.save_every, {self.key}.lr, or set "
@@ -198,7 +197,12 @@ class StepGuard:
             print(f"warning: [{self.stage}] step {step}: {self.max_bad} bad steps in a row; rolling back to {ckpt} "
                   f"(rollback {self.rollbacks} of at most {self.max_rollbacks}), the data order moves past them",
                   file=sys.stderr, flush=True)
-        state = resume(engines, ckpt, False, self.rank, self.world, self.stage)
+        return ckpt
+
+    def rollback(self, engines: dict, ckpt_root: Path, step: int) -> dict:
+        """Load the newest valid checkpoint into `engines`; its client state. The caller keeps its loader where it
+        is, past the bad batches."""
+        state = resume(engines, self.rollback_point(ckpt_root, step), False, self.rank, self.world, self.stage)
         self.history = deque(state.get("guard", {}).get("history", []), maxlen=self.history.maxlen)
         return state
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from gptforge.core.errors import UserError
 from gptforge.core.files import write_json_atomic
 from gptforge.data.chat import ChosenRows, positions
 from gptforge.model.checkpoints import newest_valid_checkpoint, record_complete
@@ -169,15 +168,7 @@ class TrainerGuard(TrainerCallback):
         from gptforge.model.adapters import is_peft
         from gptforge.model.checkpoints import no_pickled_code
 
-        g = self.guard
-        ckpt = newest_valid_checkpoint(self.out_dir / "checkpoints", g.rank, g.world, pattern="checkpoint-*")
-        if ckpt is None:
-            raise UserError(f"{g.stage}: step {step}: {g.max_bad} bad steps in a row and no checkpoint to go back "
-                            f"to; stopped: lower preference.save_every, preference.lr, or set preference.grad_clip")
-        if g.rank == 0:
-            print(f"warning: [{g.stage}] step {step}: {g.max_bad} bad steps in a row; rolling back to {ckpt} "
-                  f"(rollback {g.rollbacks} of at most {g.max_rollbacks}), the data order moves past them",
-                  file=sys.stderr, flush=True)
+        ckpt = self.guard.rollback_point(self.out_dir / "checkpoints", step, pattern="checkpoint-*")
         with no_pickled_code():
             deepspeed_load_checkpoint(self.trainer.model_wrapped, str(ckpt),
                                       load_module_strict=not is_peft(self.trainer.model))

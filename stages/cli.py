@@ -84,7 +84,8 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         inputs = dict(_input(item) for item in args.input)
-        run_stage(run, load_config(args.config, args.set), inputs, args.out, stage)
+        cfg = load_config(args.config, args.set)
+        run_stage(run, cfg, inputs, args.out, stage)
         from gptforge.model.distributed import end_distributed  # torch: only in a stage's processes
 
         end_distributed()
@@ -102,7 +103,6 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
 
         if not is_timeout(e):
             raise
-        cfg = load_config(args.config, args.set)
         print(f"error: {stage}: {hung_rank(e, cfg.distributed.timeout_minutes)}", file=sys.stderr, flush=True)
         return 1
     return 0

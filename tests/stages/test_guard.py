@@ -122,3 +122,17 @@ def test_sft_and_reward_skip_a_nan_batch_and_a_spike_like_a_run_without_them(cha
     for k in weights[0]:
         assert weights[0][k].isfinite().all()
         assert (weights[0][k] - weights[1][k]).abs().max() < 1e-6, k
+
+
+def test_zero0_skips_a_nan_batch_like_a_run_without_it(tokenized, tmp_path, monkeypatch):
+    """ZeRO-0 in fp32 steps a plain torch optimizer, which has no overflow path of its own: the guard's skip
+    still leaves weights, moments and schedule as a run that never saw the batch."""
+    weights = []
+    for name, faults in (("faults", "nan@3:1"), ("clean", "drop@3")):
+        cfg, path = guarded(tmp_path / name, tokenized, faults, monkeypatch, "distributed.zero_stage=0",
+                            "pretrain.max_steps=6")
+        manifest, out_dir, _ = run_stage(cfg, path, "pretrain")
+        assert manifest["metrics"]["bad_steps"] == (1 if name == "faults" else 0)
+        weights.append(load_file(out_dir / "model" / "model.safetensors"))
+    for k in weights[0]:
+        assert weights[0][k].isfinite().all() and (weights[0][k] - weights[1][k]).abs().max() < 1e-6, k
