@@ -3,7 +3,8 @@ plain single-process PyTorch loop training the same `transformers` model on the 
 same global batch and sequence length. Both report training-step throughput (start-up, evaluation and
 checkpoints excluded), side by side in one run.
 
-    .venv/bin/python bench/pretrain.py [-c configs/tiny.yaml] [--steps 150] [--compile both|on|off] [--set k=v ...]
+    .venv/bin/python bench/pretrain.py [-c configs/tiny.yaml] [--steps 150] [--repeats 3] [--compile both|on|off]
+                                       [--set k=v ...]
 
 The stage runs twice by default, eager and with `pretrain.compile` (torch.compile through DeepSpeed's
 engine.compile); the baseline is the loop a user writes, eager.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -85,6 +87,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny.yaml"))
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of stage and baseline, interleaved; the medians are compared (default 3)")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--compile", choices=["both", "on", "off"], default="both",
                    help="run the stage with pretrain.compile on, off, or both (default)")
@@ -92,23 +96,32 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-pretrain-")
     overrides = [f"run.root={root}", f"pretrain.max_steps={args.steps}", f"pretrain.eval_every={args.steps}",
                  f"pretrain.save_every={args.steps}", *args.set]
-    runs = {}
-    for compiled in {"both": [False, True], "on": [True], "off": [False]}[args.compile]:
-        cfg = load_config(args.config, [*overrides, f"pretrain.compile={compiled}"])
-        cfg_path = Path(root) / "config.yaml"
-        cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
-        runs[compiled] = stage(cfg, cfg_path)
-    base = baseline(cfg)
-    d, m = cfg.distributed, next(iter(runs.values()))
+    modes = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+    runs: dict[bool, list[dict]] = {compiled: [] for compiled in modes}
+    bases: list[float] = []
+    # A shared machine drifts by several percent within minutes: each round runs every mode and the baseline
+    # back to back, so that drift falls on both sides of the ratio alike
+    for _ in range(args.repeats):
+        for compiled in modes:
+            cfg = load_config(args.config, [*overrides, f"pretrain.compile={compiled}"])
+            cfg_path = Path(root) / "config.yaml"
+            cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
+            runs[compiled].append(stage(cfg, cfg_path))
+        bases.append(baseline(cfg))
+    base = statistics.median(bases)
+    d, m = cfg.distributed, runs[modes[0]][0]
     print(f"model {cfg.model.name()}: {m['parameters'] / 1e6:.2f}M params, global batch "
           f"{cfg.pretrain.global_batch_size} x {cfg.pretrain.seq_len} tokens, {args.steps} steps "
-          f"({WARMUP_STEPS} warm-up steps not timed)")
-    print(f"baseline (1 process, plain PyTorch, eager): {base:12,.0f} tokens/s")
-    for compiled, m in runs.items():
+          f"({WARMUP_STEPS} warm-up steps not timed), median of {args.repeats} interleaved round(s)")
+    print(f"baseline (1 process, plain PyTorch, eager): {base:12,.0f} tokens/s  "
+          f"(rounds: {', '.join(f'{b:,.0f}' for b in bases)})")
+    for compiled, ms in runs.items():
         mode = "compiled" if compiled else "eager"
         name = f"gptforge ({d.launcher}, {d.world_size} processes, ZeRO-{d.zero_stage}, {mode})"
-        print(f"{name}: {m['tokens_per_sec']:12,.0f} tokens/s  mfu {m['mfu']}  "
-              f"ratio {m['tokens_per_sec'] / base:.2f}x (target >= 1.0x on 2 CPU cores)")
+        rates = [r["tokens_per_sec"] for r in ms]
+        rate = statistics.median(rates)
+        print(f"{name}: {rate:12,.0f} tokens/s  mfu {ms[0]['mfu']}  ratio {rate / base:.2f}x (target >= 1.0x on "
+              f"2 CPU cores; rounds: {', '.join(f'{r / b:.2f}x' for r, b in zip(rates, bases))})")
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if peak_flops(dev):
         n = m.get("active_parameters", m["parameters"])  # a mixture of experts computes with its active ones

@@ -128,7 +128,8 @@ def final_hidden(model, inputs: dict):
 def lm_loss(model, inputs: dict, targets: torch.Tensor, tiles: int, reduction: str = "mean"):
     """(loss, output) of a causal LM (or a DeepSpeed engine holding one) on `inputs` against shifted `targets`:
     through the logits when tiles is 1, else tiled, the output then holding no logits. `reduction`: the mean over
-    the targets that count, or their sum (0 where none does)."""
+    the targets that count, or their sum (0 where none does). A loss builds no KV cache."""
+    inputs = {"use_cache": False, **inputs}
     if tiles <= 1:
         out = model(**inputs)
         logits = out.logits.float()
@@ -153,7 +154,8 @@ def token_logprobs(model, inputs: dict, start: int, index: torch.Tensor, tiles: 
     """(log-probabilities of `index` (B, R), the entropy there (B, R), output) from the positions start..-1 of a
     causal LM's forward on `inputs` (the logits that predict each of R tokens after `start`): the logits whole when
     tiles is 1, else a checkpointed tile of rows at a time from the final hidden states (the output then holding
-    no logits)."""
+    no logits). Scoring builds no KV cache."""
+    inputs = {"use_cache": False, **inputs}
     if tiles <= 1:
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 

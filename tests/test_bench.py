@@ -44,7 +44,7 @@ def test_tokenize_bench(tmp_path):
 
 
 def test_pretrain_bench(tmp_path):
-    out = bench("pretrain.py", "--steps", "8", "--compile", "off",
+    out = bench("pretrain.py", "--steps", "8", "--repeats", "1", "--compile", "off",
                 *sets([f"run.root={tmp_path}", "model.n_layer=1", "pretrain.eval_every=100"]))
     assert re.search(r"baseline \(1 process, plain PyTorch, eager\): +[\d,]+ tokens/s", out), out
     assert re.search(r"ZeRO-\d, eager\): +[\d,]+ tokens/s .* ratio [\d.]+x", out), out
