@@ -176,6 +176,44 @@ def to_eval_item(value) -> dict:
     return {"prompt": prompt, "answer": answer if answer and answer.strip() else None}
 
 
+FINAL_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)  # GSM8K's last line: #### 42
+
+
+def final_answer(reference: str | None) -> str | None:
+    """A reference's final answer: what follows GSM8K's `####` where it has one (its thousands' commas dropped,
+    `1,000` -> `1000`), else the reference whole."""
+    if reference is None:
+        return None
+    found = FINAL_ANSWER.search(reference)
+    if found is None:
+        return reference.strip() or None
+    value = found.group(1).strip()
+    return value.replace(",", "") if re.fullmatch(r"-?[\d,]+(\.\d+)?", value) else value
+
+
+PROMPT_FIELDS = ("prompt", "question", "messages", "conversations", "instruction", "input", "problem")
+
+
+def to_prompt_item(value) -> dict:
+    """A row of data.prompts -> {"prompt": [messages], "answer": str | None, **its other columns}: a prompt
+    (string or messages) with an optional reference (to_eval_item), a conversation whose final assistant turn is the
+    reference, or a GSM8K-style {question, answer} whose answer ends in `#### 42` (the reference is then 42). The
+    other columns go to the reward functions (`**row`)."""
+    if isinstance(value, dict) and "question" in value and "prompt" not in value:
+        reference = value.get("answer")
+        if reference is not None and not isinstance(reference, (str, int, float)):
+            raise BadRow(f"answer is {type(reference).__name__}, not text")
+        item = to_eval_item({"prompt": value["question"], "answer": None if reference is None else str(reference)})
+    else:
+        if isinstance(value, dict) and isinstance(value.get("answer"), (int, float)):
+            value = {**value, "answer": str(value["answer"])}
+        item = to_eval_item(value)
+    item["answer"] = final_answer(item["answer"])
+    extra = {k: v for k, v in value.items() if k not in PROMPT_FIELDS and k not in REFERENCE_FIELDS} \
+        if isinstance(value, dict) else {}
+    return {**extra, **item}
+
+
 @dataclass
 class Normalised:
     items: list = field(default_factory=list)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gptforge.core.errors import DataError
 from gptforge.data import demo
-from gptforge.data.adapters import Normalised, normalise, to_eval_item, to_messages, to_pair
+from gptforge.data.adapters import Normalised, normalise, to_eval_item, to_messages, to_pair, to_prompt_item
 from gptforge.data.sources import fingerprint_source, kind_of, read_rows
 
 VAL_EVERY = 20  # for files and hub data: every 20th row is held out for validation
@@ -65,6 +65,27 @@ def answered_prompts(pairs: list[dict]) -> list[tuple[list[dict], str]]:
     return list({str(p["prompt"]): (p["prompt"], p["chosen"]) for p in pairs}.values())
 
 
+def online_prompts(data_cfg) -> Split:
+    """The online stages' prompts, each {"prompt": [messages], "answer": str | None, **other columns}: data.prompts'
+    rows (every VAL_EVERY-th held out), else each distinct prompt of the preference pairs, with its chosen response
+    as the reference where the pairs are the demo's (the known answer), none otherwise. Every row has the same
+    columns (a column a row lacks is None there), as a dataset's rows do."""
+    source = data_cfg.prompts
+    if source.path is None or kind_of(source.path) == "demo":
+        if source.path is None:
+            pairs, known = preference_pairs(data_cfg), kind_of(data_cfg.preference.path) == "demo"
+        else:  # the demo's preference prompts, whatever data.preference is
+            d = demo.from_settings(data_cfg.demo, "preference")
+            pairs, known = Split(d.preference, d.preference_eval), True
+        return Split(*[[{"prompt": p, "answer": a if known else None} for p, a in answered_prompts(rows)]
+                       for rows in (pairs.train, pairs.val)], pairs.bad_rows)
+    split = _split(_load(source, data_cfg, to_prompt_item, "prompts"))
+    columns = sorted({k for it in split.train + split.val for k in it} - {"prompt", "answer"})
+    fill = [[{"prompt": it["prompt"], "answer": it["answer"], **{k: it.get(k) for k in columns}} for it in rows]
+            for rows in (split.train, split.val)]
+    return Split(*fill, split.bad_rows)
+
+
 @dataclass
 class EvalSet:
     """Held-out prompts for an evaluation step, with their reference answers where the data has them."""
@@ -76,9 +97,11 @@ class EvalSet:
 
 def eval_source(data_cfg, after: str) -> tuple[str, object]:
     """The config key and source an evaluation step reads after stage `after`: data.eval when set, else the
-    stage's own data (data.sft after SFT, data.preference after a preference stage)."""
+    stage's own data (data.sft after SFT; after a preference stage data.prompts where set, else data.preference)."""
     if data_cfg.eval.path is not None:
         return "data.eval", data_cfg.eval
+    if after != "sft" and data_cfg.prompts.path is not None:
+        return "data.prompts", data_cfg.prompts
     which = "sft" if after == "sft" else "preference"
     return f"data.{which}", getattr(data_cfg, which)
 
@@ -93,6 +116,8 @@ def eval_set(data_cfg, after: str) -> EvalSet:
     where = f"{key}={source.path}"
     if kind_of(source.path) == "demo":
         return EvalSet(demo.from_settings(data_cfg.demo, "eval").eval, where, demo=True)
+    if key == "data.prompts":
+        return EvalSet(online_prompts(data_cfg).val, f"{where} (held-out rows)")
     if key == "data.eval":
         return EvalSet(_load(source, data_cfg, to_eval_item, "evaluation").items, where)
     if after == "sft":
@@ -115,6 +140,7 @@ def eval_fingerprint(data_cfg, step: str, digest_cache: Path | None = None) -> s
 def source_fingerprint(data_cfg, which: str, digest_cache: Path | None = None) -> str:
     """Fingerprint of the rows behind `data.<which>` (pretrain, sft or preference): the source's content (file
     digests cached in `digest_cache`) plus the settings that decide how its rows are read."""
-    content = fingerprint_source(getattr(data_cfg, which), demo.part_settings(which, data_cfg.demo), digest_cache)
+    part = "preference" if which == "prompts" else which  # data.prompts: demo is the preference pairs' prompts
+    content = fingerprint_source(getattr(data_cfg, which), demo.part_settings(part, data_cfg.demo), digest_cache)
     reading = f"{data_cfg.on_bad_row}|{data_cfg.text_field if which == 'pretrain' else ''}"
     return hashlib.sha256(f"{content}|{reading}".encode()).hexdigest()

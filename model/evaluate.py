@@ -219,39 +219,74 @@ def standard_error(values: list[float]) -> float:
 def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
                       synced: bool = False, verifiable: bool = True,
-                      reward_tokenizer=None, cache: str = "full") -> tuple[dict, list[str]]:
+                      reward_tokenizer=None, cache: str = "full", checks: list | None = None,
+                      samples: int = 0) -> tuple[dict, list[str]]:
     """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
     SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
     samples from the policy (nats per response, with the standard error of that mean: a single-sample estimate, it
     can come out slightly negative where the two models are close), and on `verifiable` items (the demo's) the
     exact match of both (`reward_tokenizer`: the reward model's, where it is not the policy's);
-    and the policy's greedy answers. Batched; each rank takes its share of the batches (`shares`), every rank gets
-    the report; `synced`: the models are partitioned (ZeRO-3)."""
-    records = []
+    and the policy's greedy answers. Each of `checks` (gptforge.model.rewards, the rewards but the reward model)
+    scores both models' greedy answers (accuracy/<label>, sft_accuracy/<label>) and, with `samples`, `samples`
+    sampled answers of each (pass@<samples>/<label>: a positive reward among them). Without a reward model the
+    checks' weighed total is the score. Batched; each rank takes its share of the batches (`shares`), every rank
+    gets the report; `synced`: the models are partitioned (ZeRO-3)."""
+    from gptforge.model.rewards import columns_of
+
+    checks, records = checks or [], []
+    models = (("policy", policy), ("sft", sft))
     for share in shares(len(items), batch_size, rank, world):
         batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
-        prompts = [it["prompt"] for it in batch]
+        prompts, truth, columns = [it["prompt"] for it in batch], [it["answer"] for it in batch], columns_of(batch)
         answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced,
-                                  **kv_cache(cache))
-                   for name, model in (("policy", policy), ("sft", sft))}
+                                  **kv_cache(cache)) for name, model in models}
+        checked = {name: {r.label: r(prompts, answers[name], truth, columns) for r in checks} for name in answers}
         scores = {name: reward_scores(reward_model, reward_tokenizer or tokenizer, prompts, answers[name], batch_size)
+                  if reward_model is not None else
+                  [sum(r.weight * checked[name][r.label][j] for r in checks) for j in range(len(batch))]
                   for name in answers}
-        samples = sample_responses(policy, tokenizer, prompts, max_new_tokens, seed + (share or range(1))[0],
-                                   synced)
-        kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, samples, batch_size),
-                                    response_logprobs(sft, tokenizer, prompts, samples, batch_size))]
+        passed = {name: passes(model, tokenizer, batch, [r for r in checks if r.passes], samples, max_new_tokens,
+                               seed + 1 + (share or range(1))[0], batch_size, synced) for name, model in models} \
+            if samples else {}
+        drawn = sample_responses(policy, tokenizer, prompts, max_new_tokens, seed + (share or range(1))[0], synced)
+        kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, drawn, batch_size),
+                                    response_logprobs(sft, tokenizer, prompts, drawn, batch_size))]
         records += [(i, {"answer": answers["policy"][j], "sft_answer": answers["sft"][j], "score": scores["policy"][j],
-                         "sft_score": scores["sft"][j], "kl": kl[j]}) for j, i in enumerate(share or [])]
+                         "sft_score": scores["sft"][j], "kl": kl[j],
+                         **{f"{prefix}accuracy/{label}": values[j] for name, prefix in (("policy", ""), ("sft", "sft_"))
+                            for label, values in checked[name].items()},
+                         **{f"{prefix}pass@{samples}/{label}": values[j] for name, prefix in (("policy", ""),
+                                                                                             ("sft", "sft_"))
+                            for label, values in passed.get(name, {}).items()}})
+                    for j, i in enumerate(share or [])]
     rows = gather_items(records, world)
     col = {key: [r[key] for r in rows] for key in rows[0]}
     report = {"win_rate_vs_sft": win_rate(col["answer"], col["sft_answer"], col["score"], col["sft_score"]),
               "reward_mean": sum(col["score"]) / len(items), "sft_reward_mean": sum(col["sft_score"]) / len(items),
               "kl": sum(col["kl"]) / len(items), "kl_stderr": standard_error(col["kl"])}
+    report |= {key: sum(values) / len(items) for key, values in col.items() if "accuracy/" in key or "pass@" in key}
     if verifiable:
         truth = [it["answer"] for it in items]
         report |= {"exact_match": score_references(col["answer"], truth, ["exact_match"])["exact_match"],
                    "sft_exact_match": score_references(col["sft_answer"], truth, ["exact_match"])["exact_match"]}
     return report, col["answer"]
+
+
+def passes(model, tokenizer, batch: list[dict], checks: list, k: int, max_new_tokens: int, seed: int,
+           batch_size: int, synced: bool) -> dict[str, list[float]]:
+    """{label: 1.0 where any of k answers sampled for the item (temperature 1) gets a positive reward, else 0}."""
+    from gptforge.model.rewards import columns_of
+
+    torch.manual_seed(seed)
+    repeated = [it for it in batch for _ in range(k)]
+    prompts = [it["prompt"] for it in repeated]
+    drawn = generate(model, tokenizer, prompts, max_new_tokens, batch_size, do_sample=True, synced=synced,
+                     temperature=1.0, top_k=0, top_p=1.0)
+    out = {}
+    for r in checks:
+        values = r(prompts, drawn, [it["answer"] for it in repeated], columns_of(repeated))
+        out[r.label] = [float(any(v > 0 for v in values[j * k:(j + 1) * k])) for j in range(len(batch))]
+    return out
 
 
 def check_same_vocabulary(a, b, what: str) -> None:
@@ -262,15 +297,18 @@ def check_same_vocabulary(a, b, what: str) -> None:
 
 
 def policy_and_judge(cfg, inputs: dict[str, Path]):
-    """The SFT model dir, the reward model dir (the reward stage's, or preference.reward_model) and their tokenizers.
-    They need not share a vocabulary: the reward model reads each response as text, through its own chat template
-    (as veRL bridges a policy and a reward model)."""
+    """The SFT model dir, the reward model dir (the reward stage's, or preference.reward_model; None where
+    preference.rewards has none) and their tokenizers. They need not share a vocabulary: the reward model reads each
+    response as text, through its own chat template (as veRL bridges a policy and a reward model)."""
     from transformers import AutoTokenizer
 
     from gptforge.model.pretrained import prepare_tokenizer, reward_model_dir
 
     sft_dir, reward_dir = inputs["sft"] / "model", reward_model_dir(cfg, inputs)
-    tokenizer, reward_tokenizer = AutoTokenizer.from_pretrained(sft_dir), AutoTokenizer.from_pretrained(reward_dir)
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    if reward_dir is None:
+        return sft_dir, None, tokenizer, None
+    reward_tokenizer = AutoTokenizer.from_pretrained(reward_dir)
     prepare_tokenizer(reward_tokenizer, grow=False)  # a ready reward model may have no template or pad of its own
     return sft_dir, reward_dir, tokenizer, reward_tokenizer
 

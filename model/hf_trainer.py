@@ -20,7 +20,6 @@ from gptforge.core.files import write_json_atomic
 from gptforge.data.chat import ChosenRows, positions
 from gptforge.model.checkpoints import newest_valid_checkpoint, record_complete
 from gptforge.model.engine import min_lr_rate, zero_config
-from gptforge.model.evaluate import verify
 from gptforge.model.losses import causal_lm_loss
 from gptforge.model.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer
 
@@ -252,23 +251,9 @@ def with_ptx(trainer_cls, rows: ChosenRows, coef: float):
     return PtxTrainer
 
 
-def verifier(prompts, completions, answer, **kwargs) -> list[float]:
-    """The demo verifier (`gptforge.model.evaluate.verify`) as a TRL reward function."""
-    return verify([c[-1]["content"] for c in completions], answer)
-
-
-def online_rewards(oc, reward_dir: Path, reward_tokenizer) -> dict:
-    """GRPOConfig/RLOOConfig and trainer arguments for the online section `oc`'s reward: the reward model's
-    score weighed by reward_model_weight, plus, with verifier_reward, the demo verifier weighed by verifier_weight."""
-    rewards = [(str(reward_dir), oc.reward_model_weight, reward_tokenizer)]
-    rewards += [(verifier, oc.verifier_weight, None)] if oc.verifier_reward else []
-    funcs, weights, tokenizers = map(list, zip(*rewards))
-    return {"reward_funcs": funcs, "reward_weights": weights, "reward_processing_classes": tokenizers}
-
-
-def answered_dataset(pairs: list[dict]):
-    """The preference pairs' prompts with their chosen response as `answer` (the verifier's known answer on the
-    demo data), as the online trainers' dataset."""
+def prompts_dataset(items: list[dict]):
+    """The online prompts (gptforge.data.loaders.online_prompts: prompt, answer and the rows' other columns) as the
+    online trainers' dataset; TRL hands every column but the prompt to the reward functions."""
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": p["prompt"], "answer": p["chosen"]} for p in pairs])
+    return Dataset.from_list(items)

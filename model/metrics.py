@@ -46,8 +46,6 @@ NAMES = {
     # online algorithms
     "reward_mean": "mean reward of the policy's responses",
     "reward_std": "standard deviation of the rewards of the policy's responses",
-    "reward_model_score": "mean reward model score of the step's responses, before weighing",
-    "verifier_reward": "share of the step's responses that are the demo item's known answer",
     "frac_reward_zero_std": "share of prompt groups whose responses all got the same reward",
     "kl": "KL(policy || reference) in nats per response",
     "kl_stderr": "standard error of the held-out kl estimate (a small negative kl within it is noise)",
@@ -92,6 +90,16 @@ NAMES = {
 }
 
 HARNESS = "harness/"  # harness/<task>/<metric>[/<filter>]: an lm-evaluation-harness score (gptforge.model.harness)
+# Families of names, by prefix: the harness tasks, and one name per reward of preference.rewards (its label)
+FAMILIES = {
+    HARNESS: "an lm-evaluation-harness score",
+    "rewards/": "rewards/<label>: mean of that reward over the step's responses, before weighing",
+    "accuracy/": "accuracy/<label>: held-out mean of that reward over the policy's greedy answers (for a 0/1 check, "
+                 "its accuracy)",
+    "sft_accuracy/": "sft_accuracy/<label>: the same over the SFT model's greedy answers",
+    "pass@": "pass@<k>/<label>: held-out share of prompts with a positive reward among k sampled answers",
+    "sft_pass@": "sft_pass@<k>/<label>: the same for the SFT model",
+}
 
 # What TRL's trainers log, in our names; their other keys are left out.
 TRL_NAMES = {
@@ -101,7 +109,7 @@ TRL_NAMES = {
     "logps/chosen": "chosen_logps", "logps/rejected": "rejected_logps", "mean_token_accuracy": "token_accuracy",
     "reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zero_std": "frac_reward_zero_std",
     "kl": "kl_per_token", "completions/mean_length": "response_length", "clip_ratio/region_mean": "clip_frac",
-    "rewards/verifier/mean": "verifier_reward", "rewards/model/mean": "reward_model_score", "aux_loss": "aux_loss",
+    "aux_loss": "aux_loss",
 }
 # Measures of how a run went (speed, memory) rather than of what it computed: they differ between two runs that
 # computed the same thing.
@@ -110,15 +118,16 @@ WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilati
 
 
 def check_names(metrics: dict) -> None:
-    unknown = sorted(k for k in set(metrics) - set(NAMES) if not k.startswith(HARNESS))
+    unknown = sorted(k for k in set(metrics) - set(NAMES) if not k.startswith(tuple(FAMILIES)))
     if unknown:
         raise ValueError(f"metric names outside the vocabulary (gptforge.model.metrics.NAMES): {unknown}")
 
 
 def from_trainer(logs: dict) -> dict:
     """A TRL log record in our names: TRL's per-token KL also as `kl` per response (its mean over completion
-    tokens times their mean length)."""
+    tokens times their mean length); each reward function's rewards/<label>/mean as rewards/<label>."""
     out = {TRL_NAMES[k]: v for k, v in logs.items() if k in TRL_NAMES}
+    out |= {k.removesuffix("/mean"): v for k, v in logs.items() if k.startswith("rewards/") and k.endswith("/mean")}
     if "kl_per_token" in out and "response_length" in out:
         out["kl"] = out["kl_per_token"] * out["response_length"]
     return out

@@ -199,8 +199,11 @@ def architecture(model_cfg):
     return arch_of(config), config
 
 
-def reward_model_dir(cfg, inputs: dict[str, Path]) -> Path:
-    """The reward model that judges the policy: preference.reward_model, else the reward stage's output."""
+def reward_model_dir(cfg, inputs: dict[str, Path]) -> Path | None:
+    """The reward model that judges the policy: preference.reward_model, else the reward stage's output; None where
+    preference.rewards has no reward model."""
+    if not cfg.preference.uses_reward_model():
+        return None
     if cfg.preference.reward_model:
         return model_dir(cfg.preference.reward_model, None, "preference.reward_model")
     return inputs["reward"] / "model"

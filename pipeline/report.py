@@ -18,13 +18,14 @@ from pathlib import Path
 from gptforge.core.files import write_json_atomic
 from gptforge.model.metrics import HARNESS
 
+REWARDS = "rewards/"  # rewards/<label>: each reward of preference.rewards (gptforge.model.rewards)
+
 # (panel title, logged keys drawn on it, y-axis label with its unit); a stage's figure has the panels it logged.
 PANELS = [
     ("loss", ("loss", "val_loss"), "loss (nats/token)"),
     ("preference accuracy", ("reward_accuracy", "train_reward_accuracy"), "chosen ranked first (fraction)"),
     ("preference margin", ("reward_margin", "train_reward_margin"), "chosen - rejected (reward)"),
-    ("reward", ("reward_mean",), "mean reward (score)"),
-    ("verifier", ("verifier_reward",), "verified right (fraction)"),
+    ("reward", ("reward_mean",), "mean reward (weighed total)"),
     ("KL to the reference", ("kl",), "KL (nats/response)"),
     ("aux loss", ("aux_loss",), "load-balancing loss"),
     ("throughput", ("tokens_per_sec",), "tokens/s"),
@@ -53,13 +54,15 @@ LOSS_UNITS = {"reward": "pairwise loss (nats/pair)", "dpo": "pairwise loss (nats
 
 
 def stage_panels(rows: list[dict], stage: str = "") -> list[tuple[str, dict[str, list], str]]:
-    """The panels a stage's log fills: [(title, {key: points}, y label)]; `stage` names the loss's unit."""
+    """The panels a stage's log fills: [(title, {key: points}, y label)], then one for each reward (rewards/<label>);
+    `stage` names the loss's unit."""
     out = []
     for title, keys, unit in PANELS:
         lines = {k: points for k in keys if (points := series(rows, k))}
         if lines:
             out.append((title, lines, LOSS_UNITS.get(stage, unit) if title == "loss" else unit))
-    return out
+    each = sorted({k for r in rows for k in r if k.startswith(REWARDS)})  # a panel per reward of preference.rewards
+    return out + [(k, {k: points}, "mean reward (before weighing)") for k in each if (points := series(rows, k))]
 
 
 def draw(panels: list[tuple[str, dict[str, list], str]], title: str, path: Path) -> None:

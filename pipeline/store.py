@@ -37,6 +37,16 @@ UPSTREAM = {"tokenize": (), "pretrain": ("tokenize",), "sft": ("pretrain",), "re
             "eval-sft": ("sft", "pretrain"), **{f"eval-{a}": (a, "sft", "reward") for a in ALGORITHMS}}
 # The data source (a `data.<name>` field) each stage reads, if any.
 DATA_OF = {"tokenize": "pretrain", "sft": "sft", "reward": "preference", **{a: "preference" for a in ALGORITHMS}}
+
+
+def data_of(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
+    """The data sources (`data.<name>` fields) a step reads: DATA_OF's, where an online stage reads data.prompts
+    instead when it is set (and the preference pairs too for the ptx term's chosen responses)."""
+    if step not in DATA_OF:
+        return ()
+    if step in ALGORITHMS and step != "dpo" and cfg.data.prompts.path is not None:
+        return ("prompts", "preference") if getattr(cfg.preference, step).ptx_coef else ("prompts",)
+    return (DATA_OF[step],)
 MANIFEST = "manifest.json"
 
 
@@ -64,17 +74,29 @@ def stage_config(cfg: PipelineConfig, step: str) -> dict:
     """The config that defines a step's output (what its fingerprint hashes)."""
     if step == "tokenize":
         return {"tokenizer": result_fields(cfg.tokenizer)}
-    if step.startswith("eval-"):  # the harness settings only where this stage runs the harness
+    if step.startswith("eval-"):  # the harness settings only where this stage runs the harness, pass@k after
         harness = step.removeprefix("eval-") in cfg.eval.harness_stages and cfg.eval.harness_tasks
-        fields = {k: v for k, v in result_fields(cfg.eval, leave_out=("harness_stages",)).items()
+        fields = {k: v for k, v in result_fields(cfg.eval, leave_out=("harness_stages",) + (  # a preference stage
+            ("samples",) if step == "eval-sft" else ())).items()
                   if harness or not k.startswith("harness_")}
+        if step.removeprefix("eval-") in ALGORITHMS:  # the rewards score the policy's held-out answers
+            return {"eval": fields, "seed": cfg.run.seed, "rewards": reward_fields(cfg)}
         return {"eval": fields, "seed": cfg.run.seed}
     if step == "pretrain":
         return {"model": result_fields(cfg.model), "pretrain": result_fields(cfg.pretrain), "seed": cfg.run.seed}
-    if step in ALGORITHMS:  # the fields every algorithm shares, and this one's own
-        return {"preference": result_fields(cfg.preference, leave_out=ALGORITHMS),
+    if step in ALGORITHMS:  # the fields every algorithm shares (DPO does not read the rewards), and this one's own
+        return {"preference": result_fields(cfg.preference, leave_out=ALGORITHMS + (REWARD_FIELDS if step == "dpo"
+                                                                                     else ())),
                 step: result_fields(getattr(cfg.preference, step)), "seed": cfg.run.seed}
     return {step: result_fields(getattr(cfg, step)), "seed": cfg.run.seed}
+
+
+REWARD_FIELDS = ("rewards", "format_pattern", "length_target")  # preference.*: what the online stages are rewarded by
+
+
+def reward_fields(cfg: PipelineConfig) -> dict:
+    pc = cfg.preference
+    return {name: pc.model_dump(mode="json", include={name})[name] for name in REWARD_FIELDS}
 
 
 def _hash(obj) -> str:
@@ -84,10 +106,10 @@ def _hash(obj) -> str:
 def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     """The steps whose outputs `step` reads. A pipeline that starts from model.pretrained without pretraining it
     has no tokenize or pretrain step (sft, and eval-sft for its base, read that model itself); with
-    preference.reward_model there is no reward stage; a reward model started from reward.pretrained reads SFT's
-    output only to sample it (reward.policy_samples)."""
+    preference.reward_model, or no reward model among preference.rewards, there is no reward stage; a reward
+    model started from reward.pretrained reads SFT's output only to sample it (reward.policy_samples)."""
     drop = set() if cfg.pretrain.enabled else {"pretrain"}
-    drop |= {"reward"} if cfg.preference.reward_model else set()
+    drop |= set() if cfg.trains_reward_model() else {"reward"}
     drop |= {"sft"} if step == "reward" and cfg.reward.pretrained and not cfg.reward.policy_samples else set()
     return tuple(u for u in UPSTREAM[step] if u not in drop)
 
@@ -118,8 +140,9 @@ def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[st
     for step in steps or pipeline_steps(cfg):
         for s in lineage(cfg, step):
             if s not in out:
+                sources = [source_fingerprint(cfg.data, d, digest_cache(cfg)) for d in data_of(cfg, s)]
                 data = eval_fingerprint(cfg.data, s, digest_cache(cfg)) if s.startswith("eval-") else (
-                    source_fingerprint(cfg.data, DATA_OF[s], digest_cache(cfg)) if s in DATA_OF else None)
+                    "|".join(sources) if sources else None)
                 identity = {"stage": s, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(s, 1),
                             "config": stage_config(cfg, s), "inputs": {up: out[up] for up in upstream(cfg, s)},
                             "data": data}

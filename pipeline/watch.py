@@ -19,7 +19,7 @@ from prefect.events import DeploymentEventTrigger, emit_event
 from gptforge.core.config import PipelineConfig, load_config, named_models
 from gptforge.data.loaders import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
-from gptforge.pipeline.store import DATA_OF, digest_cache, pipeline_steps
+from gptforge.pipeline.store import data_of, digest_cache, pipeline_steps
 
 EVENT = "gptforge.data.changed"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -38,9 +38,9 @@ def watched(cfg: PipelineConfig) -> dict[str, str]:
     """{what (a config key, or an evaluation step's data): its fingerprint} for everything the pipeline reads."""
     cache, out = digest_cache(cfg), {}
     for step in pipeline_steps(cfg):
-        if step in DATA_OF:
-            out[f"data.{DATA_OF[step]}"] = source_fingerprint(cfg.data, DATA_OF[step], cache)
-        elif step.startswith("eval-"):
+        for name in data_of(cfg, step):
+            out[f"data.{name}"] = source_fingerprint(cfg.data, name, cache)
+        if step.startswith("eval-"):
             out[f"{step} data"] = eval_fingerprint(cfg.data, step, cache)
         for key, (name, revision) in named_models(cfg, step).items():
             out[key] = pretrained.fingerprint(name, revision, cache, key)

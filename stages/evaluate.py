@@ -10,10 +10,11 @@ What is evaluated is the run's own held-out data (gptforge.data.loaders.eval_set
 the rows held out of data.sft / data.preference, or data.eval. After SFT (inputs sft and pretrain): the greedy
 answers of the SFT model and of the pretrained base model, prompted in the same chat format, scored against the
 reference answers (ROUGE-L; exact match where the answers are short; without references, `unscored` says what
-could not be computed). After a preference stage (inputs the policy, sft and reward): the preference report
-(gptforge.model.evaluate.preference_report), exact match only on the demo's verifiable items. Greedy answers go
-to `answers.jsonl`. Then `eval.harness_tasks` through lm-evaluation-harness (gptforge.model.harness), results in
-`harness/`.
+could not be computed). After a preference stage (inputs the policy, sft, and reward where preference.rewards
+has a reward model): the preference report (gptforge.model.evaluate.preference_report), exact match only on the
+demo's verifiable items, and each of the other rewards' accuracy for both models (with eval.samples, pass@k as
+well). Greedy answers go to `answers.jsonl`. Then `eval.harness_tasks` through lm-evaluation-harness
+(gptforge.model.harness), results in `harness/`.
 
 Where it runs: on the CPU one process, in fp32. On GPUs (`eval.processes`) every process of the stage's layout
 takes its share of fixed batches (the results do not depend on how many there are), in bf16 where training is;
@@ -36,6 +37,7 @@ from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import frozen, inference_config, partitioned, unwrap
 from gptforge.model.evaluate import (answers, policy_and_judge, preference_report, reference_metrics,
                                      score_references, stop_ids)
+from gptforge.model import rewards
 from gptforge.model.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, start_model
 from gptforge.stages.cli import main
@@ -83,13 +85,17 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         base_responses = answers(unwrap(base), tokenizer, prompts, cfg.eval.max_new_tokens, **split, **cache)
         metrics = {**score_references(responses, references, scored),
                    **{f"base_{k}": v for k, v in score_references(base_responses, references, scored).items()}}
-    else:
+    else:  # the policy against the SFT model: judged by the reward model, scored by the other rewards
         _, reward_dir, _, reward_tokenizer = policy_and_judge(cfg, inputs)
-        sft, reward_model = (load(AutoModelForCausalLM, inputs["sft"] / "model"),
-                             load(AutoModelForSequenceClassification, reward_dir))
-        metrics, responses = preference_report(unwrap(model), unwrap(sft), unwrap(reward_model), tokenizer, items,
+        sft = load(AutoModelForCausalLM, inputs["sft"] / "model")
+        reward_model = None if reward_dir is None else unwrap(load(AutoModelForSequenceClassification, reward_dir))
+        checks, skipped = rewards.checks_for(cfg.preference, tokenizer, items)
+        if skipped and rank == 0:
+            print(f"[eval] {held_out.source}: not computed: {', '.join(skipped)} (no reference answers)", flush=True)
+        metrics, responses = preference_report(unwrap(model), unwrap(sft), reward_model, tokenizer, items,
                                                cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
-                                               reward_tokenizer=reward_tokenizer, **split, **cache)
+                                               reward_tokenizer=reward_tokenizer, checks=checks,
+                                               samples=cfg.eval.samples, **split, **cache)
     if rank == 0:
         with open(out_dir / OUTPUTS["answers"], "w") as f:
             for it, r in zip(items, responses):

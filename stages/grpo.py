@@ -1,11 +1,12 @@
 """GRPO stage: online RL of the SFT policy with TRL's GRPOTrainer: num_generations completions a prompt,
 their rewards less the group's mean (divided by the group's or batch's std, or not: preference.grpo.scale_rewards)
-as the advantage. Rewarded by the trained reward model (and, with verifier_reward, a rule-based verifier of the demo
-answers), with an optional ptx term (the chosen responses' loss), under DeepSpeed ZeRO (accelerate launch).
+as the advantage. Rewarded by preference.rewards (gptforge.model.rewards: the reward model, checkers of the
+reference answers, the user's functions or a reward server) on the online prompts (data.prompts), with an
+optional ptx term (the chosen responses' loss), under DeepSpeed ZeRO (accelerate launch).
 
     gptforge stage grpo -c CONFIG      (finds its inputs and output in the stage store)
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.grpo \\
-        --config CONFIG --out DIR --input sft=DIR --input reward=DIR
+        --config CONFIG --out DIR --input sft=DIR [--input reward=DIR]
 
 The held-out report is the evaluation step's (gptforge.stages.evaluate).
 """
@@ -23,9 +24,9 @@ from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.evaluate import policy_and_judge
 from gptforge.model.export import MODEL_OUTPUTS, export_trainer
-from gptforge.model.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, answered_dataset,
-                                       online_rewards, positions_from_mask, resume_point, trainer_kwargs,
-                                       use_reference, with_ptx)
+from gptforge.model import rewards
+from gptforge.model.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask, prompts_dataset,
+                                       resume_point, trainer_kwargs, use_reference, with_ptx)
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
 
@@ -38,24 +39,23 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     pc, oc, dist = cfg.preference, cfg.preference.grpo, cfg.distributed
     rank, world, device = setup_distributed(cfg.distributed)
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
-    pairs = loaders.preference_pairs(cfg.data).train
-    loaders.require(len(pairs), pc.global_batch_size // oc.num_generations, "preference pairs (prompts)",
-                    "preference.global_batch_size", "data.preference")
-    rewards = online_rewards(oc, reward_dir, reward_tokenizer)
+    scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
+    trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
     args = GRPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
                       temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
-                      reward_weights=rewards.pop("reward_weights"), scale_rewards=oc.scale_rewards)
+                      reward_weights=trl_rewards.pop("reward_weights"), scale_rewards=oc.scale_rewards)
     trainer_cls = GRPOTrainer
     if oc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
-        rows = ChosenRows(tokenizer, pairs, pc.max_length,
+        rows = ChosenRows(tokenizer, loaders.preference_pairs(cfg.data).train, pc.max_length,
                           oc.ptx_rows(pc.micro_batch_size, world, args.gradient_accumulation_steps),
                           rank, world, cfg.run.seed)
         trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
     metrics = TrainerMetrics(out_dir / "logs")
     policy = positions_from_mask(load_policy(sft_dir, cfg, uses_bf16(dist, device)))
-    trainer = trainer_cls(model=policy, args=args, train_dataset=answered_dataset(pairs), processing_class=tokenizer,
-                          callbacks=[metrics, Checkpoints()], **rewards)
+    trainer = trainer_cls(model=policy, args=args, train_dataset=prompts_dataset(prompts),
+                          processing_class=tokenizer, callbacks=[metrics, Checkpoints()], **trl_rewards)
+    rewards.name_rewards(trainer, scoring)  # logged as rewards/<label>
     if pc.reference and pc.beta:
         use_reference(trainer, reference_dir(cfg, inputs), cfg.model)
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs

@@ -1,13 +1,15 @@
 """PPO stage: RLHF with proximal policy optimisation, written in this project because TRL removed its
-PPO trainer. Actor initialised from SFT, critic from the reward model (its scalar head on every token),
-frozen reference (SFT) and reward models; actor and critic are DeepSpeed engines (ZeRO 0-3), with full weights
-or LoRA adapters (`preference.lora`: then the reference is the actor with its adapters disabled).
+PPO trainer. Actor initialised from SFT, critic from the reward model (its scalar head on every token; without
+one, preference.ppo.critic or the SFT model with a new value head), frozen reference (SFT) and reward models;
+actor and critic are DeepSpeed engines (ZeRO 0-3), with full weights or LoRA adapters (`preference.lora`: then
+the reference is the actor with its adapters disabled).
 
     gptforge stage ppo -c configs/tiny.yaml --set preference.algorithm=ppo
-    deepspeed --num_gpus 2 -m gptforge.stages.ppo --config CONFIG --out DIR --input sft=DIR --input reward=DIR
+    deepspeed --num_gpus 2 -m gptforge.stages.ppo --config CONFIG --out DIR --input sft=DIR [--input reward=DIR]
 
-Each step: sample responses with the KV cache; score them with the reward model (plus, with
-preference.ppo.verifier_reward, verifier_weight when the response is the demo item's answer); per-token reward is
+Each step: sample responses to the online prompts (data.prompts) with the KV cache; score them with
+preference.rewards (gptforge.model.rewards: the reward model, checkers, the user's functions, a reward server,
+weighed and summed, each logged as rewards/<label>); per-token reward is
 the score at the last token minus kl_coef * (log pi - log pi_ref) at every token (fixed or adaptive
 kl_coef); GAE advantages (whitened) and returns; then ppo_epochs passes of the clipped policy and value
 losses over minibatches. The losses, GAE and the KL estimate are in gptforge.model.losses; log-probabilities and
@@ -32,8 +34,9 @@ from gptforge.model.adapters import as_reference, quantization, wrap
 from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
+from gptforge.model import rewards
 from gptforge.model.evaluate import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
-                                     same_vocabulary, verify)
+                                     same_vocabulary)
 from gptforge.model.export import MODEL_OUTPUTS, export_model, hf_tensor
 from gptforge.model.guard import StepGuard
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
@@ -116,17 +119,17 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     # the critic reads the policy's tokens: the reward model where it shares their vocabulary, else a new head
     critic_dir = model_dir(oc.critic, None, "preference.ppo.critic") if oc.critic else \
-        reward_dir if same_vocabulary(tokenizer, reward_tokenizer) else sft_dir
+        reward_dir if reward_dir and same_vocabulary(tokenizer, reward_tokenizer) else sft_dir
     for key, d in (("preference.ppo.critic", critic_dir), ("preference.reference", reference_dir(cfg, inputs))):
         check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(d), f"{key} {d}")
-    pairs = loaders.preference_pairs(cfg.data).train
-    prompts, answers = map(list, zip(*loaders.answered_prompts(pairs)))
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
-    loaders.require(len(prompts), per_rank * world, "distinct prompts", "preference.global_batch_size",
-                    "data.preference")
-    ptx_rows = (ChosenRows(tokenizer, pairs, pc.max_length, oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world,
-                           cfg.run.seed) if oc.ptx_coef else None)  # an update: one minibatch
+    scoring, items = rewards.for_stage(cfg, tokenizer, per_rank * world)
+    prompts, answers = [it["prompt"] for it in items], [it["answer"] for it in items]
+    columns = rewards.columns_of(items)
+    ptx_rows = (ChosenRows(tokenizer, loaders.preference_pairs(cfg.data).train, pc.max_length,
+                           oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world, cfg.run.seed)
+                if oc.ptx_coef else None)  # an update: one minibatch
     stat_names = ["policy_loss", "value_loss", "clip_frac", "entropy"] + (["ptx_loss"] if ptx_rows is not None else [])
 
     # The engines step once per minibatch: the schedule counts optimizer steps, not PPO steps.
@@ -143,13 +146,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     ref_dir = reference_dir(cfg, inputs)
     with partitioned(actor_config):  # ZeRO-3: all models partitioned as they load
         actor = load_policy(sft_dir, cfg, bf16)
-        critic = wrap(build_critic(critic_dir, oc.reward_model_weight, cfg.model, dtype=dtype,
+        critic = wrap(build_critic(critic_dir, pc.reward_weight(), cfg.model, dtype=dtype,
                                    **quantization(lora, dtype)),
                       lora, "token-classifier", "preference.lora", checkpointing=dist.activation_checkpointing)
         ref = None if reference_is_policy(cfg) else frozen(
             AutoModelForCausalLM.from_pretrained(ref_dir, **load_kwargs(ref_dir, cfg.model)), actor_config, device)
-        reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(
+        reward_model = None if reward_dir is None else frozen(AutoModelForSequenceClassification.from_pretrained(
             reward_dir, **load_kwargs(reward_dir, cfg.model)), actor_config, device)
+    judge = None if reward_model is None else partial(reward_scores, reward_model, reward_tokenizer)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))
     actor_engine, actor_sched, _ = init_engine(actor, actor_config, section, dist, elastic, verdict)
@@ -185,12 +189,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 ref_logp, _ = policy_logprobs(reference, seqs, attention, P, tiles=tiles)
             old_values = critic_values(critic_engine, seqs, attention, P)
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
-            rm_score = torch.tensor(reward_scores(reward_model, reward_tokenizer, batch, texts), device=device)
-            verified = torch.tensor(verify(texts, [answers[i] for i in ids]), device=device)
-            score = oc.reward_model_weight * rm_score + (oc.verifier_weight * verified if oc.verifier_reward else 0)
-            score = score * guard.scale  # a drill's NaN (model/guard.py)
-            rewards = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
-            advantages, returns = gae(rewards, old_values, mask.float(), oc.gamma, oc.lam)
+            total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids],
+                                        {k: [v[i] for i in ids] for k, v in columns.items()}, judge)
+            score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/guard.py)
+            per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
+            advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)
             advantages = whiten(advantages, mask.float())
         stats = dict.fromkeys(stat_names, 0.0)
         finite = all_finite(device, score, advantages)
@@ -235,10 +238,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         kl_ctl.update(kl, per_rank * world)
         bar.update(1)
         if step % pc.log_every == 0 or step == pc.max_steps:
-            log.log(step, reward_mean=all_mean(score.mean().item(), device),
+            each_mean = {f"rewards/{k}": all_mean(sum(v) / len(v), device) for k, v in each.items()}
+            log.log(step, reward_mean=all_mean(score.mean().item(), device), **each_mean,
                     reward_std=all_mean(score.std().item(), device), kl=kl, kl_per_token=all_mean(kl_token, device),
-                    kl_coef=kl_ctl.value, reward_model_score=all_mean(rm_score.mean().item(), device),
-                    verifier_reward=all_mean(verified.mean().item(), device),
+                    kl_coef=kl_ctl.value,
                     response_length=all_mean(mask.sum(1).float().mean().item(), device),
                     gen_tokens_per_sec=all_mean(mask.sum().item() / gen_seconds, device) * world,
                     tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],

@@ -107,6 +107,13 @@ class EvalSourceSection(SourceSection):
                                "source of prompts with optional answers ({prompt, answer}) or conversations.")
 
 
+class PromptSourceSection(SourceSection):
+    """Where the online stages' prompts come from; a plain string in the YAML is its `path`."""
+
+    path: str | None = Setting(None, description="None: the preference pairs' prompts; else {prompt, answer} rows, "
+                               "conversations ending in the reference, or GSM8K question/answer rows (#### 42).")
+
+
 class DataSection(Section):
     pretrain: SourceSection = Setting(default_factory=SourceSection, description="Pretraining corpus.")
     sft: SourceSection = Setting(default_factory=SourceSection, description="Chat data (Alpaca, ShareGPT, OpenAI "
@@ -117,6 +124,9 @@ class DataSection(Section):
     on_bad_row: Literal["skip", "fail"] = Setting("skip", description="Skip bad rows (counted) or fail the stage.")
     eval: EvalSourceSection = Setting(default_factory=EvalSourceSection, description="Held-out prompts for the "
                                       "evaluation steps (default: rows held out of the stages' own data).")
+    prompts: PromptSourceSection = Setting(default_factory=PromptSourceSection, description="Prompts with optional "
+                                           "reference answers for the online stages (ppo, grpo, rloo) and their "
+                                           "evaluation (default: the preference pairs' prompts).")
     demo: DemoSection = Setting(default_factory=DemoSection, description="Demo data sizes.")
 
 
@@ -439,16 +449,13 @@ class DPOSection(Section):
 
 
 class OnlineSection(Section):
-    """What the online algorithms (ppo, grpo, rloo) share: rollouts, their reward, the supervised ptx term."""
+    """What each online algorithm (ppo, grpo, rloo) sets for itself: rollouts and the supervised ptx term (their
+    rewards are preference.rewards, shared)."""
 
     max_new_tokens: int = Setting(8, ge=1, description="Response length of on-policy sampling, in tokens.")
     temperature: float = Setting(1.0, gt=0, description="Sampling temperature of rollouts.")
     top_k: int = Setting(0, ge=0, description="Top-k of rollouts (0 disables).")
     top_p: float = Setting(1.0, gt=0, le=1, description="Top-p of rollouts.")
-    reward_model_weight: float = Setting(1.0, ge=0, description="Weight of the reward model's score in the reward.")
-    verifier_reward: bool = Setting(False, description="Add verifier_weight when the response is the demo item's "
-                                    "known answer (needs data.preference: demo).")
-    verifier_weight: float = Setting(1.0, ge=0, description="Weight of the verifier reward.")
     ptx_coef: float = Setting(0.0, ge=0, description="Weight of the chosen responses' loss added at every update "
                               "(InstructGPT's PPO-ptx); 0 disables.")
     ptx_batch_size: int | None = Setting(None, ge=1, description="Rows of chosen responses in each update's ptx loss "
@@ -461,6 +468,42 @@ class OnlineSection(Section):
         return per_update // (world * micro_steps_per_update)
 
 
+REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length")  # gptforge.model.rewards
+
+
+class RewardSpec(Section):
+    """One reward of the online stages: a built-in or the user's function by `name`, or a reward server at `url`."""
+
+    name: str | None = Setting(None, description="reward_model, exact_match, math_equal, format, length, or the "
+                               "user's package.module:function(prompts, responses, answers, **row) -> list[float]; "
+                               "with url, the name its metric is logged under (default remote).")
+    url: str | None = Setting(None, description="A reward server: each batch as one JSON POST {prompts, responses, "
+                              "answers, ...}, answered by {rewards: [...]}.")
+    weight: float = Setting(1.0, description="Weight of this reward in the total.")
+    timeout_s: float = Setting(30.0, gt=0, description="Seconds a reward server has to answer one try.")
+    retries: int = Setting(3, ge=1, description="Tries of a reward server before the stage fails.")
+
+    @model_validator(mode="after")
+    def _known(self):
+        if self.url is None and not self.name:
+            raise ValueError("a reward needs a name (a built-in or package.module:function) or a url")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward url {self.url!r} is not an http:// or https:// address")
+        if self.url is None and self.name not in REWARD_BUILT_IN:
+            module, colon, attr = self.name.partition(":")
+            if not (colon and module and attr.isidentifier()):
+                close = difflib.get_close_matches(self.name, REWARD_BUILT_IN, n=1)
+                raise ValueError(f"reward name {self.name!r} is neither a built-in ({', '.join(REWARD_BUILT_IN)}) "
+                                 "nor package.module:function" + (f"; did you mean {close[0]!r}?" if close else ""))
+        return self
+
+    def label(self) -> str:
+        """The name its mean is logged under: rewards/<label>."""
+        if self.url is not None:
+            return self.name or "remote"
+        return self.name.partition(":")[2] or self.name
+
+
 class PPOSection(OnlineSection):
     ppo_epochs: int = Setting(2, ge=1, description="Passes over each rollout batch.")
     gamma: float = Setting(1.0, ge=0, le=1, description="Discount factor.")
@@ -469,7 +512,8 @@ class PPOSection(OnlineSection):
     cliprange_value: float = Setting(0.2, gt=0, description="Value clip.")
     critic_lr: float = Setting(1e-4, gt=0, description="Critic learning rate.")
     critic: str | None = Setting(None, description="The critic's start (hub name or local directory); None: the "
-                                 "reward model, or the SFT model with a new value head where their tokenizers differ.")
+                                 "reward model (if it shares the policy's tokenizer), else the SFT model with a new "
+                                 "value head.")
     kl_target: float | None = Setting(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
     kl_horizon: int = Setting(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
 
@@ -496,6 +540,13 @@ class PreferenceSection(TrainSection):
     max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response.")
     reward_model: str | None = Setting(None, description="A ready reward model (sequence classifier: hub name or local "
                                        "directory) that judges the policy; the pipeline then trains none.")
+    rewards: list[RewardSpec] = Setting(default_factory=lambda: [RewardSpec(name="reward_model")],
+                                        description="The online stages' rewards, weighed and summed: [{name, weight}] "
+                                        "or [{url, weight}]; without reward_model there is no reward stage.")
+    format_pattern: str | None = Setting(None, description="Regex the whole response must match for the format "
+                                         "reward, e.g. '<think>.*</think>\\s*<answer>.*</answer>'.")
+    length_target: int = Setting(64, ge=0, description="Tokens a response may have before the length reward "
+                                 "subtracts one per token over.")
     reference: str | None = Setting(None, description="The reference policy (hub name or local directory); None: the "
                                     "SFT model (with adapters: the policy with its adapters disabled).")
     dpo: DPOSection = Setting(default_factory=DPOSection, description="DPO's own settings.")
@@ -506,6 +557,35 @@ class PreferenceSection(TrainSection):
     def algorithms(self) -> list[str]:
         return [self.algorithm] if isinstance(self.algorithm, str) else list(self.algorithm)
 
+    def uses_reward_model(self) -> bool:
+        """Whether a reward model is among the rewards (then it also judges the evaluation's win rate)."""
+        return any(r.url is None and r.name == "reward_model" for r in self.rewards)
+
+    def reward_weight(self) -> float:
+        """The reward model's weight in the total (0 where it has none): the scale of PPO's first values."""
+        return sum(r.weight for r in self.rewards if r.url is None and r.name == "reward_model")
+
+    @model_validator(mode="after")
+    def _rewards(self):
+        if not self.rewards:
+            raise ValueError("preference.rewards is empty: name at least one reward, e.g. [{name: reward_model}] or "
+                             "[{name: math_equal}]")
+        labels = [r.label() for r in self.rewards]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ValueError(f"preference.rewards[{i}]: a second reward logged as {label!r}; give it its own name")
+        if "format" in [r.name for r in self.rewards if r.url is None]:
+            if not self.format_pattern:
+                raise ValueError("preference.rewards names format but preference.format_pattern is not set; set the "
+                                 "regex a response must match")
+            import re
+
+            try:
+                re.compile(self.format_pattern)
+            except re.error as e:
+                raise ValueError(f"preference.format_pattern {self.format_pattern!r} is not a regex: {e}") from None
+        return self
+
 
 class EvalSection(Section):
     max_new_tokens: int = Setting(8, ge=1, description="Tokens generated per held-out item.")
@@ -515,6 +595,8 @@ class EvalSection(Section):
     processes: Literal["auto", "one", "all"] = Setting(
         "auto", same_result=True, description="one process, or all of the distributed layout's (a share of the "
         "batches each); auto: all with a GPU here or nodes over ssh/slurm.")
+    samples: int = Setting(0, ge=0, description="Answers sampled per held-out prompt after a preference stage for "
+                           "pass@k of each reward but the reward model (k = samples; 0: none).")
     kv_cache: Literal["full", "fp8", "quanto-int4"] = Setting("full", description="KV cache of generation: full "
                                                              "precision, fp8 (per tensor), or int4 (optimum-quanto).")
     harness_tasks: list[str] = Setting([], description="lm-evaluation-harness tasks run on the exported model of "
@@ -547,6 +629,11 @@ class PipelineConfig(Section):
     reward: RewardSection = Setting(default_factory=RewardSection, description="Reward model.")
     preference: PreferenceSection = Setting(default_factory=PreferenceSection, description="Alignment.")
     eval: EvalSection = Setting(default_factory=EvalSection, description="Held-out evaluation of finished outputs.")
+
+    def trains_reward_model(self) -> bool:
+        """Whether the pipeline has a reward stage: it is enabled, no ready reward model is named, and a reward model
+        is among preference.rewards."""
+        return self.reward.enabled and not self.preference.reward_model and self.preference.uses_reward_model()
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -586,7 +673,7 @@ class PipelineConfig(Section):
         chain = [("sft", self.sft), ("reward", self.reward), ("preference", self.preference)]
         if not self.model.pretrained:
             chain.insert(0, ("pretrain", self.pretrain))
-        if self.preference.reward_model:  # a ready reward model: no reward stage
+        if not self.trains_reward_model():  # a ready reward model, or none among the rewards: no reward stage
             chain.remove(("reward", self.reward))
         for (up, up_s), (down, down_s) in zip(chain, chain[1:]):
             if down_s.enabled and not up_s.enabled:
@@ -600,9 +687,13 @@ class PipelineConfig(Section):
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "
                                  "update over all processes")
-            if oc.verifier_reward and self.data.preference.path != "demo":
-                raise ValueError(f"preference.{algo}.verifier_reward needs data.preference: demo (the verifier knows "
-                                 f"the demo's answers), not {self.data.preference.path!r}; set it to false")
+        checks = [(i, r.name) for i, r in enumerate(pc.rewards) if r.url is None and r.name in ("exact_match",
+                                                                                               "math_equal")]
+        if online and checks and self.data.prompts.path is None and self.data.preference.path != "demo":
+            i, name = checks[0]
+            raise ValueError(f"preference.rewards[{i}] ({name}) compares responses with reference answers, but the "
+                             f"prompts are data.preference's ({self.data.preference.path!r}), which have none: set "
+                             "data.prompts to rows with answers ({prompt, answer}, or GSM8K's question/answer)")
         if self.reward.enabled and self.reward.policy_samples and self.data.preference.path != "demo":
             raise ValueError(f"reward.policy_samples needs data.preference: demo (the verifier knows the demo's "
                              f"answers), not {self.data.preference.path!r}; set it to 0")
@@ -669,6 +760,14 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+MOVED = {  # keys of earlier versions: where their meaning went
+    "verifier_reward": "; the online stages' rewards are preference.rewards now: the demo verifier is "
+                       "[{name: exact_match}] there",
+    "verifier_weight": "; set the weight of {name: exact_match} in preference.rewards",
+    "reward_model_weight": "; set the weight of {name: reward_model} in preference.rewards",
+}
+
+
 def _explain(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -679,6 +778,7 @@ def _explain(err: ValidationError, source: str) -> str:
             valid = list(parent.model_fields) if parent else []
             close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
             hint = f"; did you mean {'.'.join(loc[:-1] + (close[0],))}?" if close else ""
+            hint = MOVED.get(loc[-1], hint) if loc[:1] == ("preference",) else hint
             lines.append(f"unknown key {key}{hint}")
         elif e["type"] == "value_error":
             msg = str(e["msg"]).removeprefix("Value error, ")
@@ -721,11 +821,13 @@ def dump_config(cfg: PipelineConfig) -> str:
 def pipeline_stages(cfg: PipelineConfig) -> list[str]:
     """Stage names in order, the preference stage named after each algorithm; disabled stages left out (tokenize
     too when the pipeline starts from model.pretrained without pretraining it, and reward when
-    preference.reward_model names a ready one)."""
+    preference.reward_model names a ready one or preference.rewards has no reward model)."""
     names = ["tokenize"] if cfg.pretrain.enabled or not cfg.model.pretrained else []
-    for name in ("pretrain", "sft", "reward"):
-        if getattr(cfg, name).enabled and not (name == "reward" and cfg.preference.reward_model):
+    for name in ("pretrain", "sft"):
+        if getattr(cfg, name).enabled:
             names.append(name)
+    if cfg.trains_reward_model():
+        names.append("reward")
     if cfg.preference.enabled:
         names.extend(cfg.preference.algorithms())
     return names
@@ -754,7 +856,7 @@ def named_models(cfg: PipelineConfig, step: str) -> dict[str, tuple[str, str | N
     pc, algorithm = cfg.preference, step.removeprefix("eval-")
     if algorithm in ALGORITHMS:
         judged = algorithm != "dpo" or step != algorithm  # DPO needs no reward model; its evaluation does
-        if pc.reward_model and judged:
+        if pc.reward_model and judged and pc.uses_reward_model():
             out["preference.reward_model"] = (pc.reward_model, None)
         if pc.reference and step == algorithm:
             out["preference.reference"] = (pc.reference, None)

@@ -42,8 +42,22 @@ def test_wrong_type_names_the_key():
     (["tokenizer.vocab_size=100"], r"vocab_size=100 is smaller than the byte alphabet"),
     (["pretrain.seq_len=4096"], r"exceeds the model context"),
     (["model.preset=gpt9"], r"unknown preset 'gpt9'"),
-    (["data.preference=pairs.jsonl", "preference.algorithm=[dpo,ppo]", "preference.ppo.verifier_reward=true"],
-     r"preference.ppo.verifier_reward needs data.preference: demo"),
+    (["data.preference=pairs.jsonl", "preference.algorithm=[dpo,ppo]"],  # tiny.yaml: exact_match among the rewards
+     r"preference.rewards\[0\] \(exact_match\) compares responses with reference answers, but the prompts are "
+     r"data.preference's \('pairs.jsonl'\), which have none: set data.prompts"),
+    (["preference.rewards=[]"], r"preference.rewards is empty"),
+    (["preference.rewards=[{name: math_eq}]"], r"reward name 'math_eq' is neither a built-in .* did you mean "
+     r"'math_equal'\?"),
+    (["preference.rewards=[{name: mymodule}]"], r"reward name 'mymodule' is neither a built-in"),
+    (["preference.rewards=[{name: format}]"], r"preference.rewards names format but preference.format_pattern is "
+     r"not set"),
+    (["preference.rewards=[{name: format}]", "preference.format_pattern=(a"], r"preference.format_pattern '\(a' is "
+     r"not a regex"),
+    (["preference.rewards=[{url: ftp://x}]"], r"reward url 'ftp://x' is not an http"),
+    (["preference.rewards=[{name: exact_match}, {name: exact_match, weight: 2}]"], r"preference.rewards\[1\]: a "
+     r"second reward logged as 'exact_match'"),
+    (["preference.ppo.verifier_reward=true"], r"unknown key preference.ppo.verifier_reward; the online stages' "
+     r"rewards are preference.rewards now"),
     (["data.preference=pairs.jsonl", "reward.policy_samples=100"],
      r"reward.policy_samples needs data.preference: demo"),
     (["preference.algorithm=grpo", "preference.global_batch_size=64", "preference.grpo.ptx_batch_size=6"],
@@ -68,10 +82,18 @@ def test_a_pipeline_from_a_pretrained_model_without_pretraining_starts_at_sft():
         "other"
 
 
-def test_the_verifier_is_ignored_where_no_online_algorithm_runs():
-    cfg = load_config(TINY, ["data.preference=pairs.jsonl", "preference.algorithm=dpo",
-                             "preference.ppo.verifier_reward=true", "reward.policy_samples=0"])
-    assert cfg.preference.ppo.verifier_reward
+def test_reference_checks_are_ignored_where_no_online_algorithm_runs():
+    cfg = load_config(TINY, ["data.preference=pairs.jsonl", "preference.algorithm=dpo", "reward.policy_samples=0"])
+    assert [r.name for r in cfg.preference.rewards] == ["exact_match", "reward_model"]
+
+
+def test_without_a_reward_model_among_the_rewards_there_is_no_reward_stage():
+    from gptforge.pipeline.store import upstream
+
+    cfg = load_config(TINY, ["preference.algorithm=[dpo,ppo,grpo]", "preference.rewards=[{name: exact_match}]"])
+    assert pipeline_stages(cfg) == ["tokenize", "pretrain", "sft", "dpo", "ppo", "grpo"]
+    assert upstream(cfg, "ppo") == ("sft",) and upstream(cfg, "eval-grpo") == ("grpo", "sft")
+    assert pipeline_stages(load_config(TINY, ["preference.algorithm=ppo"]))[3] == "reward"
 
 
 def test_each_algorithm_reads_its_own_section():

@@ -3,7 +3,7 @@
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gptforge.model.hf_trainer import positions_from_mask, verifier
+from gptforge.model.hf_trainer import positions_from_mask
 
 
 def test_left_padded_rows_score_as_unpadded_with_the_hook():
@@ -20,7 +20,3 @@ def test_left_padded_rows_score_as_unpadded_with_the_hook():
     assert out[0, 2:].tolist() == model.generate(input_ids=row, max_new_tokens=4, do_sample=False,
                                                  pad_token_id=0)[0].tolist()
 
-
-def test_the_verifier_as_a_trl_reward_function():
-    completions = [[{"role": "assistant", "content": "68"}], [{"role": "assistant", "content": "67"}]]
-    assert verifier(prompts=None, completions=completions, answer=["68", "68"]) == [1.0, 0.0]

@@ -1,8 +1,9 @@
-"""GRPO with TRL (ZeRO-2, 2 processes), rewarded by the reward model and the demo verifier, with the ptx term."""
+"""GRPO with TRL (ZeRO-2, 2 processes), rewarded by tiny.yaml's rewards (exact match with the demo's answers and the
+reward model, each logged by name), with the ptx term."""
 
 import pytest
 
-from gptforge.model.metrics import NAMES
+from gptforge.model.metrics import check_names
 from tests.helpers import changed_from_sft, logged, logged_names, prepared, run_stage
 
 pytestmark = pytest.mark.slow
@@ -10,14 +11,17 @@ pytestmark = pytest.mark.slow
 
 def test_grpo(chain, tmp_path):
     cfg, path = prepared(chain, tmp_path, "preference.algorithm=grpo", "distributed.zero_stage=2",
-                         "preference.max_steps=2", "preference.grpo.verifier_reward=true",
-                         "preference.grpo.scale_rewards=none")
+                         "preference.max_steps=2", "preference.grpo.scale_rewards=none")
     manifest, out_dir, _ = run_stage(cfg, path, "grpo")
     assert manifest["metrics"]["global_step"] == 2
     assert changed_from_sft(chain, out_dir)
     ptx = logged(out_dir, "ptx_loss")  # tiny.yaml: preference.grpo.ptx_coef > 0, the chosen responses' loss
     assert len(ptx) == 2 and all(0 < x < 10 for x in ptx), ptx
     names = logged_names(out_dir)
-    assert {"loss", "lr", "reward_mean", "kl", "kl_per_token", "response_length", "reward_model_score"} <= names
-    assert names <= set(NAMES)
-    assert "verifier_reward" in names  # the verifier is one of its reward functions
+    assert {"loss", "lr", "reward_mean", "kl", "kl_per_token", "response_length", "rewards/exact_match",
+            "rewards/reward_model"} <= names
+    check_names(dict.fromkeys(names))
+    total = logged(out_dir, "reward_mean")  # TRL's total is the weighed sum of the two, as ours is
+    parts = [e + 0.03 * r for e, r in zip(logged(out_dir, "rewards/exact_match"),
+                                          logged(out_dir, "rewards/reward_model"))]
+    assert total == pytest.approx(parts, abs=1e-4)

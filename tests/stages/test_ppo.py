@@ -1,5 +1,6 @@
 """Our PPO on 2 processes (ZeRO-2) on the tiny SFT policy and reward model: it trains and logs, resumes exactly
-after SIGKILL, skips NaN rewards and then fails keeping the last checkpoint, and can be rewarded by the verifier."""
+after SIGKILL, skips NaN rewards and then fails keeping the last checkpoint, and can be rewarded by exact match
+alone, with no reward model."""
 
 import json
 
@@ -57,14 +58,15 @@ def test_ppo_nan_rewards_are_skipped_rolled_back_then_fail_keeping_the_last_chec
     assert not (out_dir / "manifest.json").exists() and not (out_dir / "result.json").exists()
 
 
-def test_ppo_rewarded_by_the_verifier_alone(chain, tmp_path):
-    """With the reward model weighed 0, a PPO reward is the verifier's: 1 for the item's answer, else 0, so a
-    step's mean over 8 responses is a multiple of 1/8 (the verifier itself: tests/model/test_evaluate.py)."""
+def test_ppo_rewarded_by_exact_match_alone_needs_no_reward_model(chain, tmp_path):
+    """With exact_match the only reward, PPO reads no reward stage (its critic is the SFT model with a new value
+    head) and a reward is 1 for the item's answer, else 0: a step's mean over 8 responses is a multiple of 1/8."""
     cfg, path = prepared(chain, tmp_path, *PPO, "preference.max_steps=3", "preference.save_every=10",
-                         "preference.ppo.verifier_reward=true", "preference.ppo.reward_model_weight=0")
-    _, out_dir, _ = run_stage(cfg, path, "ppo")
+                         "preference.rewards=[{name: exact_match}]")
+    manifest, out_dir, _ = run_stage(cfg, path, "ppo")
+    assert manifest["inputs"].keys() == {"sft"}
     means = logged(out_dir, "reward_mean")
-    assert len(means) == 3 and means == pytest.approx(logged(out_dir, "verifier_reward"))
+    assert len(means) == 3 and means == pytest.approx(logged(out_dir, "rewards/exact_match"))
     assert all(abs(8 * m - round(8 * m)) < 1e-6 for m in means), means
 
 

@@ -165,9 +165,9 @@ def test_named_roles_from_models_with_other_tokenizers(tmp_path):
                        f"preference.reference={policy}")
     ppo, ppo_dir, out = run_stage(cfg, path, "ppo")
     assert ppo["inputs"].keys() == {"sft"} and ppo["metrics"]["global_step"] == 4
-    scores = logged(ppo_dir, "reward_model_score")
+    scores = logged(ppo_dir, "rewards/reward_model")
     assert scores and all(s == s for s in scores)  # scored through the judge's own tokenizer, finite
     report, _, _ = run_stage(cfg, path, "eval-ppo")
     assert report["inputs"].keys() == {"ppo", "sft"} and 0 <= report["metrics"]["win_rate_vs_sft"] <= 1
     grpo, grpo_dir, _ = run_stage(cfg, path, "grpo")  # TRL's trainer: the judge through its own tokenizer too, and
-    assert grpo["metrics"]["global_step"] == 4 and logged(grpo_dir, "reward_model_score")  # the named reference
+    assert grpo["metrics"]["global_step"] == 4 and logged(grpo_dir, "rewards/reward_model")  # the named reference

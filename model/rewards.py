@@ -1,0 +1,278 @@
+"""The rewards of the online stages (ppo, grpo, rloo): `preference.rewards`, a list of `{name, weight}` or
+`{url, weight}`, composed the same way in our PPO and in TRL's GRPO and RLOO: the total is the weighed sum of
+each function's reward, and each function's mean is logged under its own name (`rewards/<label>`).
+
+A function is called on a batch as `f(prompts, responses, answers, **columns) -> list[float]`: the chat prompts
+(lists of messages), the decoded responses, the reference answers (None where a row has none) and every other
+column of the prompts' rows, one list each (as TRL hands its reward functions the dataset's columns). Built in:
+
+- `reward_model`: the trained (or `preference.reward_model`'s) reward model's score; the stage computes it
+  itself, as it holds that model;
+- `exact_match`: 1 where the response, whitespace-trimmed, is the reference answer;
+- `math_equal`: 1 where the response's final answer is mathematically equal to the reference's (the maintained
+  `math-verify` package: LaTeX, plain numbers, fractions; the reference's GSM8K `#### 42` already cut to 42);
+- `format`: 1 where the whole response matches `preference.format_pattern` (a regex, such as think/answer tags);
+- `length`: minus the response's tokens over `preference.length_target` (0 at or under it).
+
+A name with a colon is the user's own function, `package.module:function`, imported from the working folder or
+an installed package. A `url` is a reward server: the batch as one JSON POST
+(`{"prompts", "responses", "answers", **columns}`), answered by `{"rewards": [...]}` or a list, with a timeout and
+retries, so that rewards that need a sandbox (running generated code) are computed elsewhere.
+
+What a function returns is checked: one finite number per response, else one error line naming the function and
+the first bad index."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from collections.abc import Callable
+
+from gptforge.core.errors import UserError
+
+REWARD_MODEL = "reward_model"
+BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length")
+NEEDS_ANSWERS = ("exact_match", "math_equal")
+CHECKERS = ("exact_match", "math_equal", "format")  # 0/1 per response: held-out accuracy and pass@k
+
+
+@dataclass
+class Reward:
+    """One entry of preference.rewards, ready to score: `label` names its metric (rewards/<label>)."""
+
+    label: str
+    weight: float
+    key: str  # preference.rewards[i], for errors
+    fn: Callable | None = None  # None: the reward model, which the stage scores
+    passes: bool = True  # whether pass@k means anything for it (a 0/1 check or the user's own), not for length
+
+    def __call__(self, prompts: list, responses: list[str], answers: list, columns: dict | None = None) -> list[float]:
+        values = self.fn(prompts, responses, answers, **(columns or {}))
+        return checked(values, len(responses), f"{self.key} ({self.label})")
+
+
+def checked(values, n: int, what: str) -> list[float]:
+    """`values` as n finite floats, or one error naming `what` and the first bad index."""
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{what} returned {type(values).__name__} {str(values)[:80]!r}, not a list of numbers: "
+                        f"{e}") from None
+    if len(values) != n:
+        raise UserError(f"{what} returned {len(values)} rewards for {n} responses; it must return one per response")
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise UserError(f"{what} returned a non-finite reward ({values[bad]}) at index {bad}")
+    return values
+
+
+# --- built in -------------------------------------------------------------------------------------------------
+
+
+def exact_match(prompts, responses, answers, **_) -> list[float]:
+    """1 for a response that is exactly its reference answer (whitespace-trimmed), else 0: the demo's verifier."""
+    from gptforge.model.evaluate import verify
+
+    return verify(responses, answers)
+
+
+def math_equal(prompts, responses, answers, **_) -> list[float]:
+    """1 where the response's final answer equals the reference's, by math-verify (LaTeX and plain numbers)."""
+    from math_verify import parse, verify
+
+    # math-verify bounds its time with SIGALRM, which only the main thread may set; elsewhere unbounded
+    main = threading.current_thread() is threading.main_thread()
+    parsing, checking = ({}, {}) if main else ({"parsing_timeout": None}, {"timeout_seconds": None})
+    out = []
+    for r, a in zip(responses, answers):
+        gold, pred = parse(a, **parsing), parse(r, **parsing)
+        out.append(float(bool(gold) and bool(pred) and verify(gold, pred, **checking)))
+    return out
+
+
+def format_match(pattern: str) -> Callable:
+    regex = re.compile(pattern, re.DOTALL)
+
+    def format(prompts, responses, answers, **_) -> list[float]:
+        return [float(regex.fullmatch(r.strip()) is not None) for r in responses]
+
+    return format
+
+
+def length_penalty(tokenizer, target: int) -> Callable:
+    def length(prompts, responses, answers, **_) -> list[float]:
+        return [-float(max(0, len(tokenizer(r, add_special_tokens=False)["input_ids"]) - target)) for r in responses]
+
+    return length
+
+
+def user_function(spec: str, key: str) -> Callable:
+    """`package.module:function`, imported from the working folder or an installed package."""
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError, or the module's own error as it runs
+        raise UserError(f"{key}: cannot import module {module_name!r} for {spec!r} ({type(e).__name__}: {e}); it "
+                        f"must be importable from the working folder ({os.getcwd()}) or an installed package") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"{key}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no function "
+                        f"{attr!r} for {spec!r}")
+    return fn
+
+
+@dataclass
+class RemoteReward:
+    """A reward server: one JSON POST a batch, `timeout_s` a try, `retries` tries with a growing pause between."""
+
+    url: str
+    timeout_s: float = 30.0
+    retries: int = 3
+    key: str = "preference.rewards"
+    errors: list = field(default_factory=list)
+
+    def __call__(self, prompts, responses, answers, **columns) -> list[float]:
+        body = json.dumps({"prompts": prompts, "responses": responses, "answers": answers, **columns},
+                          default=str).encode()
+        last = None
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 10.0))
+            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    answer = json.loads(response.read())
+                return answer["rewards"] if isinstance(answer, dict) and "rewards" in answer else answer
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace').strip()}"
+                if e.code < 500 and e.code != 429:  # the server refused the request itself: no retry mends it
+                    break
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise UserError(f"{self.key}: reward server {self.url} answered with no JSON rewards ({e}); it must "
+                                "answer {\"rewards\": [one number per response]}") from None
+        raise UserError(f"{self.key}: reward server {self.url} did not answer within {self.retries} tries of "
+                        f"{self.timeout_s:g} s (last: {last}); check that it runs, or raise timeout_s / retries")
+
+
+# --- composing ------------------------------------------------------------------------------------------------
+
+
+def build(pc, tokenizer=None) -> list[Reward]:
+    """The rewards of the preference section `pc` (its `rewards` list), each ready to call but the reward model's.
+    Import errors and missing settings are one error line naming the entry."""
+    out = []
+    for i, spec in enumerate(pc.rewards):
+        key = f"preference.rewards[{i}]"
+        if spec.url:
+            out.append(Reward(spec.label(), spec.weight, key,
+                              RemoteReward(spec.url, spec.timeout_s, spec.retries, key)))
+        elif spec.name == REWARD_MODEL:
+            out.append(Reward(REWARD_MODEL, spec.weight, key, None, passes=False))
+        elif spec.name == "exact_match":
+            out.append(Reward("exact_match", spec.weight, key, exact_match))
+        elif spec.name == "math_equal":
+            out.append(Reward("math_equal", spec.weight, key, math_equal))
+        elif spec.name == "format":
+            out.append(Reward("format", spec.weight, key, format_match(pc.format_pattern)))
+        elif spec.name == "length":
+            out.append(Reward("length", spec.weight, key, length_penalty(tokenizer, pc.length_target), passes=False))
+        else:
+            out.append(Reward(spec.label(), spec.weight, key, user_function(spec.name, key)))
+    return out
+
+
+def check_answers(rewards: list[Reward], answers: list, source: str) -> None:
+    """A checker against references on prompts that have none: one error line naming the rewards and the data."""
+    need = [r for r in rewards if r.label in NEEDS_ANSWERS and r.fn in (exact_match, math_equal)]
+    missing = sum(a is None for a in answers)
+    if need and missing:
+        raise UserError(f"{need[0].key} ({need[0].label}) compares responses with reference answers, but {missing} "
+                        f"of the {len(answers)} prompts of {source} have none; give data.prompts rows with an answer "
+                        "({prompt, answer}, a conversation ending in the reference, or GSM8K's #### answer)")
+
+
+def for_stage(cfg, tokenizer, need: int, split: str = "train") -> tuple[list[Reward], list[dict]]:
+    """An online stage's rewards and prompts (gptforge.data.loaders.online_prompts, the `split` rows): at least
+    `need` of them, with reference answers where a checker needs them; else one error line naming the data."""
+    from gptforge.data import loaders
+
+    rewards = build(cfg.preference, tokenizer)
+    key = "data.prompts" if cfg.data.prompts.path is not None else "data.preference"
+    items = getattr(loaders.online_prompts(cfg.data), split)
+    loaders.require(len(items), need, "distinct prompts", "preference.global_batch_size", key)
+    check_answers(rewards, [it["answer"] for it in items], key)
+    return rewards, items
+
+
+def score(rewards: list[Reward], prompts: list, responses: list[str], answers: list, columns: dict | None = None,
+          reward_model: Callable | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """(the weighed total of each response, {label: each response's reward}); `reward_model(prompts, responses)`
+    scores the reward model's entry."""
+    each = {}
+    for r in rewards:
+        each[r.label] = checked(reward_model(prompts, responses), len(responses), f"{r.key} (reward_model)") \
+            if r.fn is None else r(prompts, responses, answers, columns)
+    total = [sum(r.weight * each[r.label][j] for r in rewards) for j in range(len(responses))]
+    return total, each
+
+
+def columns_of(items: list[dict]) -> dict[str, list]:
+    """The columns of prompt rows but the prompt and its answer, one list each: what a reward function gets as
+    `**row`."""
+    keys = [k for k in (items[0] if items else {}) if k not in ("prompt", "answer")]
+    return {k: [it.get(k) for it in items] for k in keys}
+
+
+def checks_for(pc, tokenizer, items: list[dict]) -> tuple[list[Reward], list[str]]:
+    """The rewards that score held-out answers beside the reward model: every one of `pc.rewards` but the reward
+    model, less those that need reference answers where some item has none; (checks, labels left out)."""
+    checks = [r for r in build(pc, tokenizer) if r.fn is not None]
+    unanswered = any(it.get("answer") is None for it in items)
+    skipped = [r.label for r in checks if unanswered and r.fn in (exact_match, math_equal)]
+    return [r for r in checks if r.label not in skipped], skipped
+
+
+def trl_functions(rewards: list[Reward], reward_model_dir, reward_tokenizer) -> dict:
+    """GRPOTrainer/RLOOTrainer arguments for `rewards`: the reward model as its directory (TRL scores it), every
+    other one a TRL reward function over the same columns, the weights in TRL's `reward_weights`. The labels go to
+    the trainer's `reward_func_names` (`name_rewards`), so that TRL logs rewards/<label>/mean."""
+    funcs, tokenizers = [], []
+    for r in rewards:
+        if r.fn is None:
+            funcs.append(str(reward_model_dir))
+            tokenizers.append(reward_tokenizer)
+        else:
+            funcs.append(_trl_function(r))
+            tokenizers.append(None)
+    return {"reward_funcs": funcs, "reward_processing_classes": tokenizers,
+            "reward_weights": [r.weight for r in rewards]}
+
+
+TRL_EXTRA = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+
+
+def _trl_function(reward: Reward) -> Callable:
+    def reward_func(prompts, completions, answer=None, **kwargs):
+        responses = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        columns = {k: v for k, v in kwargs.items() if k not in TRL_EXTRA}
+        return reward(prompts, responses, answer if answer is not None else [None] * len(responses), columns)
+
+    reward_func.__name__ = reward.label
+    return reward_func
+
+
+def name_rewards(trainer, rewards: list[Reward]) -> None:
+    trainer.reward_func_names = [r.label for r in rewards]
