@@ -199,3 +199,14 @@ def test_checkers_on_prompts_without_answers_are_one_error(tmp_path):
     with pytest.raises(UserError, match=r"preference.rewards\[0\] \(math_equal\) compares responses with reference "
                                         r"answers, but 95 of the 95 prompts of data.prompts have none"):
         rewards.for_stage(cfg, None, 16)
+
+
+def test_pass_at_k_counts_an_item_passed_when_any_of_its_k_samples_is_right(monkeypatch):
+    from gptforge.model import evaluate
+
+    drawn = ["1", "2", "3", "5", "5", "5"]  # 3 samples for each of two items, answers 3 and 4
+    monkeypatch.setattr(evaluate, "generate", lambda model, tokenizer, prompts, *a, **k: drawn[:len(prompts)])
+    (exact,) = built({"name": "exact_match"})
+    items = [{"prompt": [{"role": "user", "content": "a"}], "answer": "3"},
+             {"prompt": [{"role": "user", "content": "b"}], "answer": "4"}]
+    assert evaluate.passes(None, None, items, [exact], 3, 8, 0, 8, False) == {"exact_match": [1.0, 0.0]}

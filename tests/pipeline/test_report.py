@@ -54,6 +54,16 @@ def test_each_panel_holds_one_quantity_with_its_unit():
     assert stage_panels(LOGS["pretrain"], "pretrain")[0][::2] == ("loss", "loss (nats/token)")
 
 
+def test_each_reward_gets_its_own_panel():
+    rows = [{"step": 1, "reward_mean": 0.5, "rewards/math_equal": 0.25, "rewards/reward_model": 1.5},
+            {"step": 2, "reward_mean": 0.7, "rewards/math_equal": 0.5, "rewards/reward_model": 1.25}]
+    panels = {title: (lines, unit) for title, lines, unit in stage_panels(rows, "grpo")}
+    assert panels["reward"] == ({"reward_mean": [(1, 0.5), (2, 0.7)]}, "mean reward (weighed total)")
+    assert panels["rewards/math_equal"] == ({"rewards/math_equal": [(1, 0.25), (2, 0.5)]},
+                                            "mean reward (before weighing)")
+    assert list(panels)[-2:] == ["rewards/math_equal", "rewards/reward_model"]
+
+
 def test_the_prefect_report_carries_its_plots_inline(tmp_path):
     run_dir = run_dir_with_logs(tmp_path)
     report, _ = write_report(run_dir)

@@ -43,6 +43,8 @@ def test_grpo_and_ppo_rewarded_by_math_equal_with_the_users_function_and_a_serve
         assert "reward" not in pipeline_steps(cfg)
         _, grpo_dir, _ = run_stage(cfg, path, "grpo")
         assert logged(grpo_dir, "rewards/math_equal") == pytest.approx(logged(grpo_dir, "reward_mean"), abs=1e-6)
+        cfg, path = prepared(chain, tmp_path / "runs", *STEPS, f"data.prompts={problems}", "eval.samples=3",
+                             "preference.algorithm=[grpo,ppo]", "preference.rewards=[{name: math_equal}]")
         grpo, eval_dir, _ = run_stage(cfg, path, "eval-grpo")
         cfg, path = config(tmp_path / "runs", *STEPS, f"data.prompts={problems}", "preference.algorithm=[grpo,ppo]",
                            f"preference.rewards={json.dumps(rewards)}")
@@ -56,7 +58,10 @@ def test_grpo_and_ppo_rewarded_by_math_equal_with_the_users_function_and_a_serve
     assert len(rows) == 16 and rows[0]["answer"] == rlvr_answer(problems, rows[0]["prompt"])
     right = rewards_module.math_equal(None, [r["response"] for r in rows], [r["answer"] for r in rows])
     assert grpo["metrics"]["accuracy/math_equal"] == pytest.approx(sum(right) / len(rows), abs=1e-6)
-    assert 0 <= grpo["metrics"]["sft_accuracy/math_equal"] <= 1 and "win_rate_vs_sft" in grpo["metrics"]
+    m = grpo["metrics"]
+    assert 0 <= m["sft_accuracy/math_equal"] <= 1 and "win_rate_vs_sft" in m
+    # pass@3 over the 16 held-out problems, for both models (its counting: tests/model/test_rewards.py)
+    assert all(abs(16 * m[k] - round(16 * m[k])) < 1e-6 for k in ("pass@3/math_equal", "sft_pass@3/math_equal"))
     # each reward logged by name from the launched processes, and scoring the evaluation too
     assert server.state["seen"] >= 2 * 3  # each of PPO's 2 processes posts its rollouts every step, then the eval
     assert server.state["bodies"][0]["answers"][0] is not None and "task" in server.state["bodies"][0]
