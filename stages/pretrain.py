@@ -68,16 +68,17 @@ def check_enough(train, val, pc, world: int) -> None:
 
 def model_inputs(x: torch.Tensor, y: torch.Tensor, pc, eos_id: int, device, sp=None) -> tuple[dict, torch.Tensor]:
     """A window's model inputs and targets: with pretrain.document_mask, position ids that restart after each
-    end-of-text token (lm_loss builds no cache), so that attention stays within each document (transformers reads packed
+    end-of-text token, and no cache built, so that attention stays within each document (transformers reads packed
     sequences from the position ids: a block-diagonal mask for sdpa and eager, varlen for FlashAttention). Under
     sequence parallelism (`sp`), this rank's slice of the tokens, with the whole window's positions."""
     if sp is not None:
         positions = torch.arange(x.size(1)).expand_as(x)
-        return ({"input_ids": sp.shard(x).to(device), "position_ids": sp.shard(positions).to(device)},
-                sp.shard(y).to(device))
+        return ({"input_ids": sp.shard(x).to(device), "position_ids": sp.shard(positions).to(device),
+                 "use_cache": False}, sp.shard(y).to(device))
     if not pc.document_mask:
         return {"input_ids": x.to(device)}, y.to(device)
-    return {"input_ids": x.to(device), "position_ids": document_positions(x, eos_id).to(device)}, y.to(device)
+    return ({"input_ids": x.to(device), "position_ids": document_positions(x, eos_id).to(device), "use_cache": False},
+            y.to(device))
 
 
 @torch.no_grad()
