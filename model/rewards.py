@@ -39,10 +39,7 @@ from collections.abc import Callable
 
 from gptforge.core.errors import UserError
 
-REWARD_MODEL = "reward_model"
-BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length")
-NEEDS_ANSWERS = ("exact_match", "math_equal")
-CHECKERS = ("exact_match", "math_equal", "format")  # 0/1 per response: held-out accuracy and pass@k
+REWARD_MODEL = "reward_model"  # the built-in names: gptforge.core.config.REWARD_BUILT_IN
 
 
 @dataclass
@@ -54,6 +51,11 @@ class Reward:
     key: str  # preference.rewards[i], for errors
     fn: Callable | None = None  # None: the reward model, which the stage scores
     passes: bool = True  # whether pass@k means anything for it (a 0/1 check or the user's own), not for length
+
+    @property
+    def needs_answers(self) -> bool:
+        """Whether it compares responses with reference answers."""
+        return self.fn in (exact_match, math_equal)
 
     def __call__(self, prompts: list, responses: list[str], answers: list, columns: dict | None = None) -> list[float]:
         values = self.fn(prompts, responses, answers, **(columns or {}))
@@ -196,7 +198,7 @@ def build(pc, tokenizer=None) -> list[Reward]:
 
 def check_answers(rewards: list[Reward], answers: list, source: str) -> None:
     """A checker against references on prompts that have none: one error line naming the rewards and the data."""
-    need = [r for r in rewards if r.label in NEEDS_ANSWERS and r.fn in (exact_match, math_equal)]
+    need = [r for r in rewards if r.needs_answers]
     missing = sum(a is None for a in answers)
     if need and missing:
         raise UserError(f"{need[0].key} ({need[0].label}) compares responses with reference answers, but {missing} "
@@ -241,7 +243,7 @@ def checks_for(pc, tokenizer, items: list[dict]) -> tuple[list[Reward], list[str
     model, less those that need reference answers where some item has none; (checks, labels left out)."""
     checks = [r for r in build(pc, tokenizer) if r.fn is not None]
     unanswered = any(it.get("answer") is None for it in items)
-    skipped = [r.label for r in checks if unanswered and r.fn in (exact_match, math_equal)]
+    skipped = [r.label for r in checks if unanswered and r.needs_answers]
     return [r for r in checks if r.label not in skipped], skipped
 
 
