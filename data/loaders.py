@@ -110,20 +110,16 @@ def eval_set(data_cfg, after: str) -> EvalSet:
     """The held-out prompts evaluated after stage `after` (sft or an algorithm). The demo: its verifiable items.
     data.eval: its rows, each a conversation (the last assistant turn, if any, the reference) or a prompt with an
     optional answer. Otherwise the rows the training stage held out: after SFT each held-out conversation up to
-    its last assistant turn, that turn the reference; after a preference stage the distinct prompts of the
-    held-out pairs (no reference: the reward model judges)."""
+    its last assistant turn, that turn the reference; after a preference stage the held-out rows of data.prompts, else
+    the distinct prompts of the held-out pairs (no reference: the reward model judges)."""
     key, source = eval_source(data_cfg, after)
     where = f"{key}={source.path}"
     if kind_of(source.path) == "demo":
         return EvalSet(demo.from_settings(data_cfg.demo, "eval").eval, where, demo=True)
-    if key == "data.prompts":
-        return EvalSet(online_prompts(data_cfg).val, f"{where} (held-out rows)")
     if key == "data.eval":
         return EvalSet(_load(source, data_cfg, to_eval_item, "evaluation").items, where)
-    if after == "sft":
-        items = [to_eval_item(c) for c in conversations(data_cfg).val]
-    else:
-        items = [{"prompt": p, "answer": None} for p, _ in answered_prompts(preference_pairs(data_cfg).val)]
+    # held-out rows: SFT's conversations; after a preference stage the online prompts' (data.prompts, else the pairs')
+    items = [to_eval_item(c) for c in conversations(data_cfg).val] if after == "sft" else online_prompts(data_cfg).val
     return EvalSet(items, f"{where} (held-out rows)")
 
 
