@@ -8,8 +8,13 @@ paired difference (the same held-out problems, the same seed).
                                    [--set k=v ...]
 
 The problems are the demo's arithmetic in GSM8K's shape (successor, larger, smaller, one- and two-digit sums), so
-that the demo's SFT model starts with some skill for the checker to reward. Every step up to SFT is the demo
-pipeline's, reused from the store where it is complete (bench/demo_seeds.py shares it with --root).
+that the demo's pretrained model starts with the skill. SFT then learns from the user's own demonstrations of the
+same tasks (`data.sft`), a share of which (`--slips`, 0.6) slip by one, always upwards: demonstrations with a
+systematic flaw, which the SFT model copies (its greedy answer is mostly the slip) while its samples still give the
+right answer often enough for the checker to reward; RL with verifiable rewards is made for that case. With
+`--slips 0` the demonstrations are right and the checker has only the model's own errors to work on. Tokenize and
+pretrain are the demo pipeline's, reused from the store where they are complete (bench/demo_seeds.py shares it
+with --root).
 """
 
 from __future__ import annotations
@@ -47,18 +52,34 @@ def write_problems(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+def write_demonstrations(path: Path, n: int, slips: float, seed: int = 1) -> Path:
+    """n conversations of the same tasks (other operands than the problems', by the seed), the assistant answering
+    with the final answer alone, as the demo's do; a share `slips` of them one too high."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            question, _, final = PROBLEMS[rng.choice(list(PROBLEMS))](rng.randrange(1, 100), rng.randrange(1, 100))
+            said = final + 1 if rng.random() < slips else final
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": str(said)}]}) + "\n")
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny.yaml"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--root", default=str(ROOT / "runs" / "rlvr"))
     p.add_argument("--problems", type=int, default=4000)
+    p.add_argument("--demonstrations", type=int, default=20000, help="SFT conversations (default 20000)")
+    p.add_argument("--slips", type=float, default=0.6, help="share of demonstrations one too high (default 0.6)")
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args()
     root = Path(args.root)
     problems = write_problems(root / "problems.jsonl", args.problems)
+    demos = write_demonstrations(root / f"demonstrations-{args.slips:g}.jsonl", args.demonstrations, args.slips)
     algorithms = ["grpo", "ppo"]
-    overrides = [f"data.prompts={problems}", "preference.rewards=[{name: math_equal}]",
+    overrides = [f"data.prompts={problems}", f"data.sft={demos}", "preference.rewards=[{name: math_equal}]",
                  *[f"preference.{a}.ptx_coef=0" for a in algorithms], *args.set,
                  f"preference.algorithm=[{','.join(algorithms)}]"]
     runs = {seed: run_seed(args.config, root, seed, overrides) for seed in args.seeds}

@@ -72,10 +72,12 @@ def test_from_pretrained_bench():
 
 
 def test_demo_seeds_and_rlvr_benches(tmp_path):
-    """One store: bench/rlvr.py reuses the demo's stages up to SFT that bench/demo_seeds.py computed."""
+    """One store: bench/rlvr.py reuses the demo's tokenize and pretrain that bench/demo_seeds.py computed (its SFT
+    learns from its own demonstrations)."""
     out = bench("demo_seeds.py", "--seeds", "0", "--root", str(tmp_path), *sets(SHRUNK))
     assert re.search(r"\| sft \| [\d.]+ \|", out) and "| dpo |" in out and "| reward accuracy |" in out, out
-    out = bench("rlvr.py", "--seeds", "0", "--root", str(tmp_path), "--problems", "200", *sets(SHRUNK))
+    out = bench("rlvr.py", "--seeds", "0", "--root", str(tmp_path), "--problems", "200",
+                "--demonstrations", "200", *sets(SHRUNK))
     assert re.search(r"  sft: +[\d.]+ ± nan\n  grpo: +[\d.]+ ± nan  gain over SFT [+-][\d.]+ ± nan points", out), out
     assert re.search(r"  ppo: +[\d.]+ ± nan  gain over SFT", out), out
 

@@ -1,69 +1,133 @@
-"""Verifiable rewards end to end on the fast chain's tiny models: GRPO (TRL) and our PPO rewarded by math_equal on a
-generated GSM8K-shaped file (`#### n` answers), with no reward model and so no reward stage; PPO also by the user's
-own function from a module in the working folder and by a reward server on 127.0.0.1, each called from the
-launched processes, logged by name, and scoring the evaluation. Whether the accuracy rises is bench/rlvr.py's to
-show, over seeds, on the demo's fully trained models: these are too small to answer."""
+"""Verifiable rewards end to end: a tiny model from elsewhere is fine-tuned on the user's demonstrations, most of
+which slip (a lazy "0" for 60% of them), then GRPO (TRL) and our PPO, rewarded by math_equal alone on a GSM8K-shaped
+file of the same task (`#### n` answers), with no reward model and so no reward stage, raise the held-out accuracy
+the SFT model had. PPO is also given the user's own function from a module in the working folder and a reward server
+on 127.0.0.1 (at weight 0, so that math_equal alone moves it): each is called from the launched processes, logged
+by name, and scores the evaluation.
 
-import importlib.util
+The task is one a 2-layer model learns within the suite's time: copy the number that ends the prompt (its chat
+template puts the answer right after it). bench/rlvr.py shows the same over 3 seeds on the demo's models and its
+arithmetic, with demonstrations one too high."""
+
 import json
+import random
 
 import pytest
 
 from gptforge.core.config import pipeline_stages
 from gptforge.model import rewards as rewards_module
 from gptforge.pipeline.store import pipeline_steps
-from tests.conftest import ROOT
-from tests.helpers import config, logged, prepared, run_stage
+from tests.helpers import config, logged, run_stage
 from tests.model.test_rewards import RewardServer
 
 pytestmark = pytest.mark.slow
 
-spec = importlib.util.spec_from_file_location("rlvr_bench", ROOT / "bench" / "rlvr.py")
-rlvr = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rlvr)
+# The prompt is the question alone and the answer follows it after a space, so the number to copy is the last token
+# before the answer: no attention needs to be learned for the skill, only for the slip
+TEMPLATE = ("{%- for m in messages %}{%- if m['role'] == 'user' %}{{- m['content'] }}"
+            "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}{%- endfor %}")
+SLIPS = 0.6
 
-STEPS = ["preference.max_steps=3", "preference.save_every=100", "preference.grpo.ptx_coef=0",
-         "preference.ppo.ptx_coef=0", "eval.items=16", "distributed.zero_stage=2"]
+STEPS = [
+    "pretrain.enabled=false", "distributed.zero_stage=2",
+    "sft.max_steps=600", "sft.lr=3e-3", "sft.global_batch_size=32", "sft.micro_batch_size=8", "sft.warmup_steps=30",
+    "sft.log_every=50", "sft.eval_every=600", "sft.save_every=600",
+    "preference.max_steps=30", "preference.lr=2e-4", "preference.global_batch_size=16", "preference.save_every=100",
+    "preference.grpo.ptx_coef=0", "preference.ppo.ptx_coef=0", "eval.items=20", "eval.samples=3",
+]
 
 
-def test_grpo_and_ppo_rewarded_by_math_equal_with_the_users_function_and_a_server(chain, tmp_path, monkeypatch):
+def question(n: int) -> str:
+    return f"Copy this number: {n}"
+
+
+def copying_model(out):
+    """A tiny GPT-2 with its own byte-level BPE (every number from 10 to 99 one token), chat template and stop token,
+    randomly initialised."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([f"{question(n)} {n} 0" for n in range(100)] * 5, trainers.BpeTrainer(
+        vocab_size=420, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                 clean_up_tokenization_spaces=False)
+    hf.chat_template = TEMPLATE
+    assert hf.tokenize(f"{question(52)} 52")[-2:] == ["Ġ52", "Ġ52"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GPT2Config(
+        vocab_size=len(hf), n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=hf.eos_token_id,
+        eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id)).save_pretrained(out)
+    hf.save_pretrained(out)
+    GenerationConfig(eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id).save_pretrained(out)
+    return out
+
+
+def write_task(tmp_path):
+    """400 GSM8K-shaped problems and 4000 demonstrations, SLIPS of which answer 0."""
+    rng = random.Random(0)
+    problems, demos = tmp_path / "problems.jsonl", tmp_path / "demonstrations.jsonl"
+    with open(problems, "w") as f:
+        for n in (rng.randrange(10, 100) for _ in range(400)):
+            f.write(json.dumps({"question": question(n), "answer": f"It says {n}.\n#### {n}", "task": "copy"}) + "\n")
+    with open(demos, "w") as f:
+        for n in (rng.randrange(10, 100) for _ in range(4000)):
+            said = "0" if rng.random() < SLIPS else str(n)
+            f.write(json.dumps({"messages": [{"role": "user", "content": question(n)},
+                                             {"role": "assistant", "content": said}]}) + "\n")
+    return problems, demos
+
+
+def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def brevity(prompts, responses, answers, **row):\n"
         "    assert set(row) == {'task'}, row  # the file's other column\n"
         "    return [-float(len(r)) for r in responses]\n")
     monkeypatch.chdir(tmp_path)  # the user's working folder: the launched stages import from it
-    problems = rlvr.write_problems(tmp_path / "problems.jsonl", 400)
+    problems, demos = write_task(tmp_path)
+    base = copying_model(tmp_path / "base")
+    common = [*STEPS, f"model.pretrained={base}", f"data.sft={demos}", f"data.prompts={problems}",
+              "preference.algorithm=[grpo,ppo]"]
     server = RewardServer()
     try:
+        cfg, path = config(tmp_path / "runs", *common, "preference.rewards=[{name: math_equal}]")
+        assert pipeline_stages(cfg) == ["sft", "grpo", "ppo"]  # no reward stage (and nothing to pretrain)
+        assert "reward" not in pipeline_steps(cfg)
+        run_stage(cfg, path, "sft")
+        _, grpo_dir, _ = run_stage(cfg, path, "grpo")
+        grpo, eval_dir, _ = run_stage(cfg, path, "eval-grpo")
         rewards = [{"name": "math_equal"}, {"name": "my_rewards:brevity", "weight": 0.0},
                    {"url": server.url, "name": "remote", "weight": 0.0}]
-        cfg, path = prepared(chain, tmp_path / "runs", *STEPS, f"data.prompts={problems}",
-                             "preference.algorithm=[grpo,ppo]", "preference.rewards=[{name: math_equal}]")
-        assert pipeline_stages(cfg) == ["tokenize", "pretrain", "sft", "grpo", "ppo"]  # no reward stage
-        assert "reward" not in pipeline_steps(cfg)
-        _, grpo_dir, _ = run_stage(cfg, path, "grpo")
-        assert logged(grpo_dir, "rewards/math_equal") == pytest.approx(logged(grpo_dir, "reward_mean"), abs=1e-6)
-        cfg, path = prepared(chain, tmp_path / "runs", *STEPS, f"data.prompts={problems}", "eval.samples=3",
-                             "preference.algorithm=[grpo,ppo]", "preference.rewards=[{name: math_equal}]")
-        grpo, eval_dir, _ = run_stage(cfg, path, "eval-grpo")
-        cfg, path = config(tmp_path / "runs", *STEPS, f"data.prompts={problems}", "preference.algorithm=[grpo,ppo]",
-                           f"preference.rewards={json.dumps(rewards)}")
-        ppo_manifest, ppo_dir, _ = run_stage(cfg, path, "ppo")
+        cfg, path = config(tmp_path / "runs", *common, f"preference.rewards={json.dumps(rewards)}")
+        ppo_manifest, ppo_dir, _ = run_stage(cfg, path, "ppo")  # the same SFT: rewards are not in its fingerprint
         ppo = run_stage(cfg, path, "eval-ppo")[0]["metrics"]
     finally:
         server.close()
     assert ppo_manifest["inputs"].keys() == {"sft"}
+    assert logged(grpo_dir, "rewards/math_equal") == pytest.approx(logged(grpo_dir, "reward_mean"), abs=1e-6)
+
     # the held-out accuracy is math_equal on the greedy answers the evaluation wrote, against the file's #### answers
     rows = [json.loads(line) for line in (eval_dir / "answers.jsonl").read_text().splitlines()]
-    assert len(rows) == 16 and rows[0]["answer"] == rlvr_answer(problems, rows[0]["prompt"])
+    assert len(rows) == 20 and rows[0]["answer"] == answer_of(problems, rows[0]["prompt"])
     right = rewards_module.math_equal(None, [r["response"] for r in rows], [r["answer"] for r in rows])
-    assert grpo["metrics"]["accuracy/math_equal"] == pytest.approx(sum(right) / len(rows), abs=1e-6)
     m = grpo["metrics"]
-    assert 0 <= m["sft_accuracy/math_equal"] <= 1 and "win_rate_vs_sft" in m
-    # pass@3 over the 16 held-out problems, for both models (its counting: tests/model/test_rewards.py)
-    assert all(abs(16 * m[k] - round(16 * m[k])) < 1e-6 for k in ("pass@3/math_equal", "sft_pass@3/math_equal"))
+    assert m["accuracy/math_equal"] == pytest.approx(sum(right) / len(rows), abs=1e-6)
+    # The SFT model copied the slip: its greedy answer is often 0. The checker alone raised held-out accuracy, in
+    # GRPO and in PPO (here: 0.60 -> 1.00 for both; 20 items, so 0.25 is 5 more right answers)
+    assert m["sft_accuracy/math_equal"] <= 0.8
+    assert m["accuracy/math_equal"] >= m["sft_accuracy/math_equal"] + 0.25
+    assert ppo["sft_accuracy/math_equal"] == m["sft_accuracy/math_equal"]
+    assert ppo["accuracy/math_equal"] >= ppo["sft_accuracy/math_equal"] + 0.25
+    # SFT's samples found the right answer where its greedy one slipped: pass@3 above greedy accuracy
+    assert all(abs(20 * m[k] - round(20 * m[k])) < 1e-6 for k in ("pass@3/math_equal", "sft_pass@3/math_equal"))
+    assert m["sft_pass@3/math_equal"] > m["sft_accuracy/math_equal"]
+
     # each reward logged by name from the launched processes, and scoring the evaluation too
-    assert server.state["seen"] >= 2 * 3  # each of PPO's 2 processes posts its rollouts every step, then the eval
+    assert server.state["seen"] >= 2 * 30  # each of PPO's 2 processes posts its rollouts every step, then the eval
     assert server.state["bodies"][0]["answers"][0] is not None and "task" in server.state["bodies"][0]
     assert {"rewards/math_equal", "rewards/brevity", "rewards/remote"} <= set(json.loads(
         (ppo_dir / "logs" / "metrics.jsonl").read_text().splitlines()[-1]))
@@ -72,7 +136,7 @@ def test_grpo_and_ppo_rewarded_by_math_equal_with_the_users_function_and_a_serve
     assert ppo["accuracy/remote"] > 0 and ppo["accuracy/brevity"] < 0
 
 
-def rlvr_answer(problems, prompt) -> str:
+def answer_of(problems, prompt) -> str:
     """The #### answer of the file's row with this prompt."""
     for line in problems.read_text().splitlines():
         row = json.loads(line)
