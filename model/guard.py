@@ -37,6 +37,7 @@ from gptforge.model.checkpoints import newest_valid_checkpoint, resume
 from gptforge.model.distributed import heartbeat
 
 SPIKE = 10.0  # what a spike drill multiplies the loss by
+HEARTBEAT_EVERY = 1.0  # seconds between a rank's heartbeats: where it was, for a timed-out collective's message
 
 
 class Faults:
@@ -65,14 +66,19 @@ class StepGuard:
     that counts good steps)."""
 
     def __init__(self, section, stage: str, engine, device: torch.device, rank: int, world: int,
-                 key: str | None = None):
+                 key: str | None = None, judge_every_step: bool = False):
         self.key = key or stage  # the config section its keys are named by
+        # Our loops step through `step`, which drops a step whose reduced gradients are not finite on every rank: a
+        # rank's NaN loss makes them so, and needs no collective of its own before backward. Only a spike is judged
+        # there (on the mean loss over the ranks). A Trainer steps by itself: it judges every step.
+        self.judge_every_step = judge_every_step
         self.stage, self.engine, self.device, self.rank, self.world = stage, engine, device, rank, world
         self.factor, self.max_bad, self.max_rollbacks = section.spike_factor, section.max_bad_steps, \
             section.max_rollbacks
         self.history: deque[float] = deque(maxlen=section.spike_window)
         self.bad_steps = self.rollbacks = self.in_a_row = 0
         self.faults = Faults(os.environ.get("GPTFORGE_FAULTS", ""), rank)
+        self.heard = -math.inf  # when this rank last wrote its heartbeat (time.monotonic)
         self._reset()
 
     def _reset(self) -> None:
@@ -88,8 +94,10 @@ class StepGuard:
         """`draw()`'s next batch, through the drills: a dropped batch is drawn past, a hang sleeps."""
         while True:
             self.faults.draws += 1
-            heartbeat(self.rank, f"{self.stage} micro-batch {self.faults.draws} of its process")
             kinds = self.faults.at(self.faults.draws)
+            if "hang" in kinds or time.monotonic() - self.heard >= HEARTBEAT_EVERY:  # a store round trip each
+                heartbeat(self.rank, f"{self.stage} micro-batch {self.faults.draws} of its process")
+                self.heard = time.monotonic()
             if "hang" in kinds:
                 print(f"[drill] rank {self.rank} hangs in micro-batch {self.faults.draws}", file=sys.stderr,
                       flush=True)
@@ -101,13 +109,18 @@ class StepGuard:
 
     def observe(self, loss: torch.Tensor, boundary: bool | None = None) -> float:
         """This micro-batch's loss, drills applied, as the stage reports it. At the step's last micro-batch
-        (`boundary`, by default the engine's accumulation boundary) every rank learns whether the step is bad:
-        a collective."""
+        (`boundary`, by default the engine's accumulation boundary) every rank learns whether the step is bad (a
+        collective) where a spike can make it so or the guard judges every step; else `settle` asks why a step was
+        dropped."""
         value = loss.item() * self.scale
         self.losses.append(value)
-        if boundary if boundary is not None else self.engine.is_gradient_accumulation_boundary():
-            self.verdict = self.judge(sum(self.losses) / len(self.losses))
+        if (self.factor or self.judge_every_step) and (
+                boundary if boundary is not None else self.engine.is_gradient_accumulation_boundary()):
+            self.verdict = self.judge(self.local_mean())
         return value
+
+    def local_mean(self) -> float:
+        return sum(self.losses) / len(self.losses)
 
     def gate(self, loss: torch.Tensor) -> torch.Tensor:
         """What backward takes: the loss with this micro-batch's drill, NaN where the step was judged bad."""
@@ -153,7 +166,10 @@ class StepGuard:
     def settle(self, step: int) -> str:
         """The step's outcome once its optimizer step is taken: "ok", "skip" (logged and counted) or "rollback"
         (`max_bad_steps` bad steps in a row). Raises after `max_rollbacks` rollbacks."""
-        verdict = self.verdict or (None if self.applied else "gradient norm NaN/Inf")
+        verdict = self.verdict
+        if verdict is None and not self.applied:  # dropped on every rank: every rank asks why
+            verdict = self.judge(self.local_mean()) if self.losses else None
+            verdict = verdict if verdict and verdict.startswith("loss NaN") else "gradient norm NaN/Inf"
         mean = self.mean
         self._reset()
         if verdict is None:

@@ -135,7 +135,7 @@ class TrainerGuard(TrainerCallback):
         acc = trainer.accelerator
         self.trainer, self.out_dir = trainer, out_dir
         self.guard = StepGuard(section, stage, None, acc.device, acc.process_index, acc.num_processes,
-                               key="preference")
+                               key="preference", judge_every_step=True)
         if resumed and (Path(resumed) / self.FILE).is_file():
             self.guard.load_state_dict(json.loads((Path(resumed) / self.FILE).read_text()))
         compute = trainer.compute_loss
