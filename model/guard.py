@@ -9,9 +9,11 @@ are in every later checkpoint, so a resume repeats that order. A stage that woul
 
 The skip is DeepSpeed's own: its ZeRO, bf16 and fp16 optimizers drop a step whose gradient norm is not finite
 (zeroing the gradients, leaving the moments and the schedule as they were, `engine.was_step_applied()` false).
-A step judged bad on its loss has the last micro-batch's loss multiplied by NaN before its backward, so that
-DeepSpeed drops it the same way on every rank. A plain torch optimizer (ZeRO-0 in fp32) has no such path; `step`
-gives it one.
+A rank's non-finite loss makes its gradients, and so the reduced ones of every rank, non-finite: the step is
+dropped everywhere with no collective of its own, and `settle` asks the ranks why only once it was. A spike is
+judged before backward, on the mean loss over the ranks, and a spiking step has the last micro-batch's loss
+multiplied by NaN so that DeepSpeed drops it the same way on every rank (a Trainer's steps are all judged so). A
+plain torch optimizer (ZeRO-0 in fp32) has no such path; `step` gives it one.
 
 Drills: `GPTFORGE_FAULTS` (tests and fire drills only) injects faults into this process's micro-batches, counted
 from 1 as they are drawn: `nan@3` makes the 3rd one's loss NaN, `spike@6` multiplies it by 10, `nan@5+` does so
