@@ -1,13 +1,13 @@
-"""Verifiable rewards end to end: a tiny model from elsewhere is fine-tuned on the user's demonstrations, most of
-which slip (a lazy "0" for 60% of them), then GRPO (TRL) and our PPO, rewarded by math_equal alone on a GSM8K-shaped
-file of the same task (`#### n` answers), with no reward model and so no reward stage, raise the held-out accuracy
-the SFT model had. PPO is also given the user's own function from a module in the working folder and a reward server
-on 127.0.0.1 (at weight 0, so that math_equal alone moves it): each is called from the launched processes, logged
-by name, and scores the evaluation.
+"""Verifiable rewards end to end: a tiny model from elsewhere is fine-tuned on the user's demonstrations of the
+demo's successor task, 60% of which slip one too high, then GRPO (TRL) and our PPO, rewarded by math_equal alone on
+a GSM8K-shaped file of the same problems (`#### n` answers), with no reward model and so no reward stage, raise the
+held-out accuracy the SFT model had. PPO is also given the user's own function from a module in the working folder
+and a reward server on 127.0.0.1 (at weight 0, so that math_equal alone moves it): each is called from the launched
+processes, logged by name, and scores the evaluation.
 
-The task is one a 2-layer model learns within the suite's time: copy the number that ends the prompt (its chat
-template puts the answer right after it). bench/rlvr.py shows the same over 3 seeds on the demo's models and its
-arithmetic, with demonstrations one too high."""
+The model's chat template puts the answer right after the number that ends the question, so that a 2-layer model
+learns the task within the suite's time (a lookup at the last position; attending back to an operand takes it far
+longer). bench/rlvr.py shows the same over 3 seeds on the demo's models and all of its arithmetic."""
 
 import json
 import random
@@ -22,8 +22,7 @@ from tests.model.test_rewards import RewardServer
 
 pytestmark = pytest.mark.slow
 
-# The prompt is the question alone and the answer follows it after a space, so the number to copy is the last token
-# before the answer: no attention needs to be learned for the skill, only for the slip
+# The prompt is the question alone and the answer follows it after a space: the operand is the last token before it
 TEMPLATE = ("{%- for m in messages %}{%- if m['role'] == 'user' %}{{- m['content'] }}"
             "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}{%- endfor %}")
 SLIPS = 0.6
@@ -32,17 +31,17 @@ STEPS = [
     "pretrain.enabled=false", "distributed.zero_stage=2",
     "sft.max_steps=600", "sft.lr=3e-3", "sft.global_batch_size=32", "sft.micro_batch_size=8", "sft.warmup_steps=30",
     "sft.log_every=50", "sft.eval_every=600", "sft.save_every=600",
-    "preference.max_steps=30", "preference.lr=2e-4", "preference.global_batch_size=16", "preference.save_every=100",
+    "preference.max_steps=30", "preference.lr=1e-3", "preference.global_batch_size=16", "preference.save_every=100",
     "preference.grpo.ptx_coef=0", "preference.ppo.ptx_coef=0", "eval.items=20", "eval.samples=3",
 ]
 
 
 def question(n: int) -> str:
-    return f"Copy this number: {n}"
+    return f"What number comes after {n}"
 
 
-def copying_model(out):
-    """A tiny GPT-2 with its own byte-level BPE (every number from 10 to 99 one token), chat template and stop token,
+def successor_model(out):
+    """A tiny GPT-2 with its own byte-level BPE (every number up to 101 one token), chat template and stop token,
     randomly initialised."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -51,13 +50,13 @@ def copying_model(out):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([f"{question(n)} {n} 0" for n in range(100)] * 5, trainers.BpeTrainer(
+    tok.train_from_iterator([f"{question(n)} {n}" for n in range(102)] * 5, trainers.BpeTrainer(
         vocab_size=420, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                  clean_up_tokenization_spaces=False)
     hf.chat_template = TEMPLATE
-    assert hf.tokenize(f"{question(52)} 52")[-2:] == ["Ġ52", "Ġ52"]
+    assert hf.tokenize(f"{question(52)} 53")[-2:] == ["Ġ52", "Ġ53"]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(GPT2Config(
         vocab_size=len(hf), n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=hf.eos_token_id,
@@ -68,15 +67,16 @@ def copying_model(out):
 
 
 def write_task(tmp_path):
-    """400 GSM8K-shaped problems and 4000 demonstrations, SLIPS of which answer 0."""
+    """400 GSM8K-shaped problems and 4000 demonstrations, SLIPS of which answer one too high."""
     rng = random.Random(0)
     problems, demos = tmp_path / "problems.jsonl", tmp_path / "demonstrations.jsonl"
     with open(problems, "w") as f:
-        for n in (rng.randrange(10, 100) for _ in range(400)):
-            f.write(json.dumps({"question": question(n), "answer": f"It says {n}.\n#### {n}", "task": "copy"}) + "\n")
+        for n in (rng.randrange(10, 99) for _ in range(400)):
+            f.write(json.dumps({"question": question(n), "answer": f"{n} + 1 = {n + 1}.\n#### {n + 1}",
+                                "task": "succ"}) + "\n")
     with open(demos, "w") as f:
-        for n in (rng.randrange(10, 100) for _ in range(4000)):
-            said = "0" if rng.random() < SLIPS else str(n)
+        for n in (rng.randrange(10, 99) for _ in range(4000)):
+            said = str(n + 2 if rng.random() < SLIPS else n + 1)
             f.write(json.dumps({"messages": [{"role": "user", "content": question(n)},
                                              {"role": "assistant", "content": said}]}) + "\n")
     return problems, demos
@@ -89,7 +89,7 @@ def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, m
         "    return [-float(len(r)) for r in responses]\n")
     monkeypatch.chdir(tmp_path)  # the user's working folder: the launched stages import from it
     problems, demos = write_task(tmp_path)
-    base = copying_model(tmp_path / "base")
+    base = successor_model(tmp_path / "base")
     common = [*STEPS, f"model.pretrained={base}", f"data.sft={demos}", f"data.prompts={problems}",
               "preference.algorithm=[grpo,ppo]"]
     server = RewardServer()
@@ -116,9 +116,9 @@ def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, m
     right = rewards_module.math_equal(None, [r["response"] for r in rows], [r["answer"] for r in rows])
     m = grpo["metrics"]
     assert m["accuracy/math_equal"] == pytest.approx(sum(right) / len(rows), abs=1e-6)
-    # The SFT model copied the slip: its greedy answer is often 0. The checker alone raised held-out accuracy, in
-    # GRPO and in PPO (here: 0.60 -> 1.00 for both; 20 items, so 0.25 is 5 more right answers)
-    assert m["sft_accuracy/math_equal"] <= 0.8
+    # The SFT model copied the slip: its greedy answer is mostly one too high. The checker alone raised held-out
+    # accuracy, in GRPO and in PPO (here 0.15 -> 0.65 and 0.95; 20 items, so 0.25 is 5 more right answers)
+    assert m["sft_accuracy/math_equal"] <= 0.5
     assert m["accuracy/math_equal"] >= m["sft_accuracy/math_equal"] + 0.25
     assert ppo["sft_accuracy/math_equal"] == m["sft_accuracy/math_equal"]
     assert ppo["accuracy/math_equal"] >= ppo["sft_accuracy/math_equal"] + 0.25
