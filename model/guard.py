@@ -170,8 +170,7 @@ class StepGuard:
         (`max_bad_steps` bad steps in a row). Raises after `max_rollbacks` rollbacks."""
         verdict = self.verdict
         if verdict is None and not self.applied:  # dropped on every rank: every rank asks why
-            verdict = self.judge(self.local_mean()) if self.losses else None
-            verdict = verdict if verdict and verdict.startswith("loss NaN") else "gradient norm NaN/Inf"
+            verdict = (self.judge(self.local_mean()) if self.losses else None) or "gradient norm NaN/Inf"
         mean = self.mean
         self._reset()
         if verdict is None:
