@@ -24,14 +24,15 @@ from gptforge.model.losses import causal_lm_loss
 from gptforge.model.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer
 
 
-def trainer_kwargs(section, dist, world: int, out_dir: Path, seed: int) -> dict:
-    """TrainingArguments fields shared by every TRL stage."""
+def trainer_kwargs(section, dist, data_parallel: int, out_dir: Path, seed: int) -> dict:
+    """TrainingArguments fields shared by every TRL stage; `data_parallel`: the ranks that read different batches
+    (the world, over distributed.sequence_parallel where the stage takes it)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     return dict(
         output_dir=str(out_dir / "checkpoints"), seed=seed, data_seed=seed, deepspeed=zero_config(dist, device),
         per_device_train_batch_size=section.micro_batch_size,
-        gradient_accumulation_steps=section.global_batch_size // (section.micro_batch_size * world),
+        gradient_accumulation_steps=section.global_batch_size // (section.micro_batch_size * data_parallel),
         learning_rate=section.lr, lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": min_lr_rate(section)}, warmup_steps=section.warmup_steps,
         max_steps=section.max_steps, weight_decay=section.weight_decay, max_grad_norm=section.grad_clip,

@@ -233,8 +233,11 @@ def long_context(cfg, stage: str, seq_len: int, micro_batch: int, vocab_size: in
     """A stage's LongContext as the config runs it (gptforge.model.tiling and .sequence_parallel decide)."""
     from gptforge.model.tiling import logit_tiles, mlp_shards
 
+    from gptforge.core.config import SEQUENCE_PARALLEL_STAGES
+
     dist = cfg.distributed
-    sp = dist.sequence_parallel if stage == "pretrain" else 1
+    stages = cfg.preference.algorithms() if stage == "preference" else [stage]  # a section: the stages it runs
+    sp = dist.sequence_parallel if all(s in SEQUENCE_PARALLEL_STAGES for s in stages) else 1
     local = seq_len // sp
     flash = cfg.model.attention.startswith("flash")
     return LongContext(sp, logit_tiles(dist, micro_batch, local, vocab_size), mlp_shards(dist, local, hidden),

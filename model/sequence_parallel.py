@@ -11,6 +11,10 @@ The loss of a rank is the mean over its slice; DeepSpeed averages gradients over
 is the gradient of the whole sequence's mean. Under ZeRO-1/2, DeepSpeed divides the reduced gradients by the data
 parallel world (world/N) instead of the world that summed them, N times too large (ZeRO-3 divides by the
 world); `backward_scale` is the factor that makes them right.
+
+A TRL trainer that scores sequences through TRL's fused LM head (DPO) takes it through `trainer`: the ranks of a
+group read the same micro-batches, and the model's fused forward shards each one, scores its slice and joins the
+group's per-token log-probabilities, so that the trainer's loss code sees the whole sequences.
 """
 
 from __future__ import annotations
@@ -60,6 +64,98 @@ class SequenceParallel:
         torch.distributed.all_reduce(totals, group=group)
         n = totals[1].clamp(min=1)
         return totals[0] / n, summed * (self.size * self.backward_scale) / n
+
+
+class _JoinSlices(torch.autograd.Function):
+    """The group's (B, T/N, ...) slices joined along T. Every rank of the group computes the same loss from the
+    joined tensor; backward hands each rank the gradient of its own slice, times `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, scale):
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        ctx.rank, ctx.n, ctx.scale = rank, x.size(1), scale
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n] * ctx.scale, None, None, None
+
+
+def shard_fused_forward(model, sp: SequenceParallel, scale: float) -> None:
+    """Make `model`'s fused-head forward (TRL's `add_fused_lm_head`: `model(input_ids, attention_mask, labels=...,
+    fused_lm_head=True)` returns per-token log-probabilities of shape (B, T-1)) run sequence-parallel: the batch,
+    the same on every rank of the group, is right-padded to a multiple of N, each rank scores its slice of the
+    tokens against pre-shifted labels at the whole sequence's positions, and the slices' per-token fields are
+    joined back to (B, T-1). Other calls (generation) go to the forward as it was."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    fused = model.forward
+    group = sp.mpu.get_sequence_parallel_group()
+
+    def join(x, grad: bool):
+        if x is None:
+            return None
+        if grad:
+            return _JoinSlices.apply(x, group, sp.rank, scale)
+        parts = [torch.empty_like(x) for _ in range(sp.size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    def forward(*args, fused_lm_head=False, labels=None, **kwargs):
+        if not fused_lm_head:
+            return fused(*args, **({"labels": labels} if labels is not None else {}), **kwargs)
+        ids = kwargs.pop("input_ids", args[0] if args else None)
+        kwargs.pop("attention_mask", None)  # right padding under causal attention: no real token sees it
+        kwargs.pop("position_ids", None)
+        length = ids.size(1)
+        pad = -length % sp.size
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, pad + 1), value=-100)  # position t predicts t+1
+        ids = torch.nn.functional.pad(ids, (0, pad), value=0)
+        positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+        out = fused(input_ids=sp.shard(ids), position_ids=sp.shard(positions), shift_labels=sp.shard(shifted),
+                    fused_lm_head=True, **kwargs)
+        fields = {k: join(getattr(out, k), grad=k in ("log_probs", "entropy"))
+                  for k in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")}
+        fields = {k: None if v is None else v[:, :length - 1] for k, v in fields.items()}
+        mask = fields["label_mask"]
+        loss = -fields["log_probs"].sum() / mask.sum().clamp(min=1)
+        return FusedCausalLMOutput(loss=loss, aux_loss=out.aux_loss, **fields)
+
+    model.forward = forward
+
+
+def trainer(trainer_cls, sp: SequenceParallel | None):
+    """`trainer_cls` (TRL's DPOTrainer) run sequence-parallel by `sp`; itself when `sp` is None.
+
+    - Its training batches are split over the data-parallel groups, not the ranks: accelerate's shard of the
+      batch sampler takes the group's index and count, so the ranks of a group read the same micro-batches
+      (in the order a data-parallel run reads them, group g taking rank g's).
+    - The policy's and the reference's fused forwards are sharded (`shard_fused_forward`).
+    - The Trainer gives DeepSpeed no sequence-parallel groups, so DeepSpeed averages gradients over the whole
+      world; each slice's gradient is taken N times, which makes that the mean over the data-parallel groups
+      under every ZeRO stage.
+    - TRL's token count divides by the ranks that read the same batch."""
+    if sp is None:
+        return trainer_cls
+
+    class SequenceParallelTrainer(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            for model in (policy, self.ref_model):
+                if model is not None:
+                    shard_fused_forward(getattr(model, "module", model), sp, float(sp.size))
+            self._tp_size = getattr(self, "_tp_size", 1) * sp.size
+
+        def get_train_dataloader(self):
+            loader = super().get_train_dataloader()
+            shard = loader.batch_sampler  # accelerate's BatchSamplerShard: micro-batch i to process i % count
+            shard.num_processes, shard.process_index = sp.dp_world, sp.dp_rank
+            return loader
+
+    SequenceParallelTrainer.__name__ = SequenceParallelTrainer.__qualname__ = f"SequenceParallel{trainer_cls.__name__}"
+    return SequenceParallelTrainer
 
 
 def check(config, n: int, seq_len: int, key: str) -> None:

@@ -6,7 +6,8 @@ model as reference, under DeepSpeed ZeRO (accelerate launch).
         --config CONFIG --out DIR --input sft=DIR
 
 `preference.dpo.loss_type` selects any loss TRL implements (sigmoid, ipo, hinge, robust, ...) or a list of
-them ([sigmoid, sft] is RPO). The held-out report is the evaluation step's (gptforge.stages.evaluate).
+them ([sigmoid, sft] is RPO). With `distributed.sequence_parallel: N`, groups of N ranks share each pair
+(gptforge.model.sequence_parallel.trainer). The held-out report is the evaluation step's (gptforge.stages.evaluate).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.export import MODEL_OUTPUTS, export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerGuard, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.model import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
@@ -50,14 +52,18 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     "data.preference")
 
     loss_type = pc.dpo.loss_type
-    args = DPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
+    args = DPOConfig(**trainer_kwargs(pc, dist, dist.data_parallel("dpo"), out_dir, cfg.run.seed), beta=pc.beta,
                      loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
     metrics = TrainerMetrics(out_dir / "logs")
     policy = load_policy(sft_dir, cfg, uses_bf16(dist, device))
     ref_dir = reference_dir(cfg, inputs)
     reference = AutoModelForCausalLM.from_pretrained(ref_dir, **load_kwargs(ref_dir, cfg.model)) if pc.reference \
         else None
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
+    # a chosen and a rejected row per pair; their lengths vary
+    sp = sequence_parallel.setup(policy, dist, 2 * pc.micro_batch_size, None, "preference.max_length")
+    if sp and rank == 0:
+        print(f"[dpo] sequence parallel {sp.size} ({sp.dp_world} data-parallel)", file=sys.stderr, flush=True)
+    trainer = sequence_parallel.trainer(DPOTrainer, sp)(model=policy, ref_model=reference, args=args,
                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():
         resumed = resume_point(out_dir, "dpo", rank, world)

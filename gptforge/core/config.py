@@ -19,7 +19,7 @@ from gptforge.core.errors import ConfigError
 from gptforge.core.presets import PRESETS
 
 ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
-SEQUENCE_PARALLEL_STAGES = ("pretrain", "sft")  # distributed.sequence_parallel serves these
+SEQUENCE_PARALLEL_STAGES = ("pretrain", "sft", "dpo")  # distributed.sequence_parallel serves these
 Algorithm = Literal["dpo", "ppo", "grpo", "rloo"]
 
 
@@ -331,7 +331,7 @@ class DistributedSection(Section):
     activation_checkpointing: bool = Setting(False, description="Recompute activations in backward to save memory.")
     precision: Literal["auto", "bf16", "fp32"] = Setting("auto", description="auto: bf16 on GPUs, fp32 on the CPU.")
     sequence_parallel: int = Setting(1, ge=1, same_result=True, description="Ranks that share each sequence "
-                                     "(DeepSpeed-Ulysses; pretrain and SFT); data parallelism over the rest.")
+                                     "(DeepSpeed-Ulysses; pretrain, SFT and DPO); data parallelism over the rest.")
     tiling: bool | Literal["auto"] = Setting("auto", same_result=True, description="Tiled logits+loss and MLPs "
                                              "(model/tiling.py): true, false, or auto (logits over logits_tile_mb, "
                                              "MLPs from 4096 tokens).")

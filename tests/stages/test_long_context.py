@@ -102,6 +102,26 @@ def test_sequence_parallel_sft_gives_the_data_parallel_loss_curve_and_gradients(
             chain["sft"][0]["metrics"]["base_val_loss"], abs=2e-4)
 
 
+def test_sequence_parallel_dpo_gives_the_data_parallel_loss_and_weights(chain, dpo, tmp_path):
+    """TRL's DPO with each pair's rows shared by 2 ranks (its fused forward sharded, the slices' log-probabilities
+    joined), under ZeRO-2 and ZeRO-3, against the 2-rank data-parallel DPO of the same pairs: the same loss, the same
+    gradient norm (not 2x), the same exported weights."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import DPO
+
+    want = load_file(dpo[1] / "model" / "model.safetensors")
+    for stage in (2, 3):
+        cfg, path = prepared(chain, tmp_path / f"zero{stage}", *DPO, f"distributed.zero_stage={stage}",
+                             "distributed.sequence_parallel=2", "run.tracker=none")
+        manifest, out_dir, out = run_stage(cfg, path, "dpo")
+        assert "[dpo] sequence parallel 2 (1 data-parallel)" in out
+        assert manifest["metrics"]["train_loss"] == pytest.approx(dpo[0]["metrics"]["train_loss"], abs=2e-4)
+        assert logged(out_dir, "grad_norm") == pytest.approx(logged(dpo[1], "grad_norm"), rel=2e-3), stage
+        got = load_file(out_dir / "model" / "model.safetensors")
+        assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-4, stage
+
+
 def test_ppo_with_tiled_log_probabilities_matches_its_first_update(chain, ppo, tmp_path):
     """PPO scoring and training its response tokens a tile of logits at a time: the first step (same rollouts)
     logs what the untiled run logged."""
