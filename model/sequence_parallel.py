@@ -19,6 +19,7 @@ group's per-token log-probabilities, so that the trainer's loss code sees the wh
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,20 @@ class SequenceParallel:
     dp_world: int
     mpu: object  # deepspeed's parallel state, given to deepspeed.initialize
     zero_stage: int
+    attention: tuple = ()  # (kernel name, its own function, the Ulysses one put in its place)
+
+    @contextlib.contextmanager
+    def whole_sequences(self):
+        """Each rank runs the model on whole sequences of its own (generation, reward models): the kernel's own
+        attention, not Ulysses', for the time of the block."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        name, own, ulysses = self.attention
+        ALL_ATTENTION_FUNCTIONS[name] = own
+        try:
+            yield
+        finally:
+            ALL_ATTENTION_FUNCTIONS[name] = ulysses
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of (B, T, ...) along T."""
@@ -84,10 +99,13 @@ class _JoinSlices(torch.autograd.Function):
 
 def shard_fused_forward(model, sp: SequenceParallel, scale: float) -> None:
     """Make `model`'s fused-head forward (TRL's `add_fused_lm_head`: `model(input_ids, attention_mask, labels=...,
-    fused_lm_head=True)` returns per-token log-probabilities of shape (B, T-1)) run sequence-parallel: the batch,
-    the same on every rank of the group, is right-padded to a multiple of N, each rank scores its slice of the
-    tokens against pre-shifted labels at the whole sequence's positions, and the slices' per-token fields are
-    joined back to (B, T-1). Other calls (generation) go to the forward as it was."""
+    fused_lm_head=True)` returns per-token log-probabilities of shape (B, T-1)) run sequence-parallel on a batch
+    that every rank of the group holds:
+    - each row's left padding is moved to its end (Ulysses attends causally without a mask, which right padding
+      needs no more than that), and the batch right-padded to a multiple of N;
+    - each rank scores its slice of the tokens against pre-shifted labels, at the whole row's positions;
+    - the slices' per-token fields are joined and put back where the row's tokens were, as (B, T-1).
+    Other calls (generation) go to the forward as it was."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     fused = model.forward
@@ -106,53 +124,122 @@ def shard_fused_forward(model, sp: SequenceParallel, scale: float) -> None:
         if not fused_lm_head:
             return fused(*args, **({"labels": labels} if labels is not None else {}), **kwargs)
         ids = kwargs.pop("input_ids", args[0] if args else None)
-        kwargs.pop("attention_mask", None)  # right padding under causal attention: no real token sees it
+        mask = kwargs.pop("attention_mask", None)
         kwargs.pop("position_ids", None)
         length = ids.size(1)
+        at = torch.arange(length, device=ids.device)
+        lead = (mask.cumsum(1) == 0).sum(1, keepdim=True) if mask is not None else torch.zeros_like(ids[:, :1])
+        left = (at + lead) % length  # row b's token t + lead[b] comes first
+        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts t+1
         pad = -length % sp.size
-        shifted = torch.nn.functional.pad(labels[:, 1:], (0, pad + 1), value=-100)  # position t predicts t+1
-        ids = torch.nn.functional.pad(ids, (0, pad), value=0)
+        ids = torch.nn.functional.pad(ids.gather(1, left), (0, pad), value=0)
+        shifted = torch.nn.functional.pad(shifted.gather(1, left), (0, pad), value=-100)
         positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
         out = fused(input_ids=sp.shard(ids), position_ids=sp.shard(positions), shift_labels=sp.shard(shifted),
                     fused_lm_head=True, **kwargs)
-        fields = {k: join(getattr(out, k), grad=k in ("log_probs", "entropy"))
-                  for k in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")}
-        fields = {k: None if v is None else v[:, :length - 1] for k, v in fields.items()}
-        mask = fields["label_mask"]
-        loss = -fields["log_probs"].sum() / mask.sum().clamp(min=1)
+        back = (at - lead) % length  # where each token went
+
+        def whole(key):
+            x = join(getattr(out, key), grad=key in ("log_probs", "entropy"))
+            return None if x is None else x[:, :length].gather(1, back)[:, :length - 1]
+
+        fields = {k: whole(k) for k in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1",
+                                        "label_mask")}
+        loss = -fields["log_probs"].sum() / fields["label_mask"].sum().clamp(min=1)
         return FusedCausalLMOutput(loss=loss, aux_loss=out.aux_loss, **fields)
 
     model.forward = forward
 
 
 def trainer(trainer_cls, sp: SequenceParallel | None):
-    """`trainer_cls` (TRL's DPOTrainer) run sequence-parallel by `sp`; itself when `sp` is None.
+    """`trainer_cls` (TRL's DPOTrainer, GRPOTrainer or RLOOTrainer) run sequence-parallel by `sp`: each group of N
+    ranks works as one data-parallel rank whose sequences it shares. Itself when `sp` is None.
 
-    - Its training batches are split over the data-parallel groups, not the ranks: accelerate's shard of the
+    - The training batches are split over the data-parallel groups, not the ranks: accelerate's shard of the
       batch sampler takes the group's index and count, so the ranks of a group read the same micro-batches
-      (in the order a data-parallel run reads them, group g taking rank g's).
+      (in the order a data-parallel run over world/N ranks reads them).
     - The policy's and the reference's fused forwards are sharded (`shard_fused_forward`).
     - The Trainer gives DeepSpeed no sequence-parallel groups, so DeepSpeed averages gradients over the whole
       world; each slice's gradient is taken N times, which makes that the mean over the data-parallel groups
       under every ZeRO stage.
-    - TRL's token count divides by the ranks that read the same batch."""
+    - GRPO and RLOO: a group generates once. Every rank samples (ZeRO-3 gathers weights for all), on whole
+      sequences, from its group's first rank's generator state, and takes that rank's completions and its order of
+      the shuffled rollouts; rewards are computed on whole sequences too.
+      A generation batch is the data-parallel run's (RepeatSampler's chunk over world/N), and the ranks of a
+      group hold whole prompt groups, so the trainer's advantages (gathered over all ranks, each group's twice
+      or N times) and its slice of them are the data-parallel run's.
+    - TRL's DPO token count divides by the ranks that read the same batch."""
     if sp is None:
         return trainer_cls
 
     class SequenceParallelTrainer(trainer_cls):
+        _sharded = False
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            for model in (policy, self.ref_model):
-                if model is not None:
-                    shard_fused_forward(getattr(model, "module", model), sp, float(sp.size))
             self._tp_size = getattr(self, "_tp_size", 1) * sp.size
+            generations = getattr(self, "num_generations", None)
+            per_group = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+            if generations and per_group % generations:
+                raise ConfigError(f"distributed.sequence_parallel={sp.size}: a group's rollouts a step "
+                                  f"(preference.micro_batch_size x accumulation = {per_group}) must hold whole prompt "
+                                  f"groups of num_generations={generations}")
+
+        def train(self, *args, **kwargs):
+            if not self._sharded:  # the reference as the stage left it (gptforge.model.hf_trainer.use_reference)
+                policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+                for model in (policy, self.ref_model):
+                    if model is not None:
+                        shard_fused_forward(getattr(model, "module", model), sp, float(sp.size))
+                self._sharded = True
+            return super().train(*args, **kwargs)
 
         def get_train_dataloader(self):
             loader = super().get_train_dataloader()
             shard = loader.batch_sampler  # accelerate's BatchSamplerShard: micro-batch i to process i % count
             shard.num_processes, shard.process_index = sp.dp_world, sp.dp_rank
             return loader
+
+        def _get_train_sampler(self, *args, **kwargs):
+            sampler = super()._get_train_sampler(*args, **kwargs)
+            if hasattr(sampler, "mini_repeat_count"):  # RepeatSampler: a generation's prompts over world/N ranks
+                sampler.batch_size //= sp.size
+            return sampler
+
+        def _from_first_rank(self, value):
+            """The group's first rank's `value` (tensors on this rank's device)."""
+            group = sp.mpu.get_sequence_parallel_group()
+            out = [value]
+            torch.distributed.broadcast_object_list(out, src=torch.distributed.get_global_rank(group, 0), group=group)
+            device = self.accelerator.device
+            return torch.utils._pytree.tree_map(lambda x: x.to(device) if torch.is_tensor(x) else x, out[0])
+
+        def _generate(self, prompts):
+            # the first rank's generator state on every rank of the group: they sample (and later shuffle) alike,
+            # so what the trainer logs of the samples is of the ones kept
+            group = sp.mpu.get_sequence_parallel_group()
+            states = [(torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)]
+            torch.distributed.broadcast_object_list(states, src=torch.distributed.get_global_rank(group, 0),
+                                                    group=group)
+            torch.set_rng_state(states[0][0])
+            if states[0][1] is not None:
+                torch.cuda.set_rng_state(states[0][1])
+            with sp.whole_sequences():
+                return self._from_first_rank(super()._generate(prompts))
+
+        def _prepare_inputs(self, generation_batch):
+            before = getattr(self, "_buffered_inputs", None)
+            inputs = super()._prepare_inputs(generation_batch)
+            buffered = getattr(self, "_buffered_inputs", None)
+            if buffered is not None and buffered is not before:  # a generation, shuffled by each rank's generator
+                at = next(i for i, b in enumerate(buffered) if b is inputs)
+                self._buffered_inputs = self._from_first_rank(buffered)
+                inputs = self._buffered_inputs[at]
+            return inputs
+
+        def _calculate_rewards(self, *args, **kwargs):
+            with sp.whole_sequences():
+                return super()._calculate_rewards(*args, **kwargs)
 
     SequenceParallelTrainer.__name__ = SequenceParallelTrainer.__qualname__ = f"SequenceParallel{trainer_cls.__name__}"
     return SequenceParallelTrainer
@@ -188,11 +275,12 @@ def setup(model, dist, micro_batch: int, seq_len: int | None, key: str) -> Seque
     if config is not None and not hasattr(config, "num_key_value_heads"):  # GPT-2: no grouped heads, as many
         config.num_key_value_heads = config.num_attention_heads
     check(config, n, seq_len or n, key)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    own = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model, core_attn_implementation=config._attn_implementation, sequence_parallel_size=n,
         micro_batch_size=micro_batch, seq_length=seq_len, seq_length_is_variable=seq_len is None)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     ulysses = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
 
     def heads_last(module, query, *args, **kwargs):
@@ -203,4 +291,5 @@ def setup(model, dist, micro_batch: int, seq_len: int | None, key: str) -> Seque
 
     ALL_ATTENTION_FUNCTIONS[config._attn_implementation] = heads_last
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return SequenceParallel(n, mpu.get_sequence_parallel_rank(), rank // n, world // n, mpu, dist.zero_stage)
+    return SequenceParallel(n, mpu.get_sequence_parallel_rank(), rank // n, world // n, mpu, dist.zero_stage,
+                            (config._attn_implementation, own, heads_last))

@@ -27,6 +27,7 @@ from gptforge.model.export import MODEL_OUTPUTS, export_trainer
 from gptforge.model import rewards
 from gptforge.model.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask, prompts_dataset,
                                        resume_point, trainer_kwargs, use_reference, with_ptx)
+from gptforge.model import sequence_parallel
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import main
 
@@ -41,7 +42,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
-    args = GRPOConfig(**trainer_kwargs(pc, dist, world, out_dir, cfg.run.seed), beta=pc.beta,
+    args = GRPOConfig(**trainer_kwargs(pc, dist, dist.data_parallel("grpo"), out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
                       temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
                       reward_weights=trl_rewards.pop("reward_weights"), scale_rewards=oc.scale_rewards)
@@ -53,6 +54,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
     metrics = TrainerMetrics(out_dir / "logs")
     policy = positions_from_mask(load_policy(sft_dir, cfg, uses_bf16(dist, device)))
+    sp = sequence_parallel.setup(policy, dist, pc.micro_batch_size, None, "preference.max_length")
+    if sp and rank == 0:
+        print(f"[grpo] sequence parallel {sp.size} ({sp.dp_world} data-parallel)", file=sys.stderr, flush=True)
+    trainer_cls = sequence_parallel.trainer(trainer_cls, sp)
     trainer = trainer_cls(model=policy, args=args, train_dataset=prompts_dataset(prompts),
                           processing_class=tokenizer, callbacks=[metrics, Checkpoints()], **trl_rewards)
     rewards.name_rewards(trainer, scoring)  # logged as rewards/<label>

@@ -19,7 +19,7 @@ from gptforge.core.errors import ConfigError
 from gptforge.core.presets import PRESETS
 
 ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
-SEQUENCE_PARALLEL_STAGES = ("pretrain", "sft", "dpo")  # distributed.sequence_parallel serves these
+SEQUENCE_PARALLEL_STAGES = ("pretrain", "sft", "dpo", "grpo", "rloo")  # distributed.sequence_parallel serves these
 Algorithm = Literal["dpo", "ppo", "grpo", "rloo"]
 
 
@@ -331,7 +331,8 @@ class DistributedSection(Section):
     activation_checkpointing: bool = Setting(False, description="Recompute activations in backward to save memory.")
     precision: Literal["auto", "bf16", "fp32"] = Setting("auto", description="auto: bf16 on GPUs, fp32 on the CPU.")
     sequence_parallel: int = Setting(1, ge=1, same_result=True, description="Ranks that share each sequence "
-                                     "(DeepSpeed-Ulysses; pretrain, SFT and DPO); data parallelism over the rest.")
+                                     "(DeepSpeed-Ulysses; pretrain, SFT, DPO, GRPO, RLOO); data parallelism over the "
+                                     "rest.")
     tiling: bool | Literal["auto"] = Setting("auto", same_result=True, description="Tiled logits+loss and MLPs "
                                              "(model/tiling.py): true, false, or auto (logits over logits_tile_mb, "
                                              "MLPs from 4096 tokens).")
@@ -683,6 +684,10 @@ class PipelineConfig(Section):
         micro_steps = pc.global_batch_size // pc.micro_batch_size  # micro-batches of one TRL step, all processes
         for algo in online:
             oc = getattr(pc, algo)
+            if algo in SEQUENCE_PARALLEL_STAGES and oc.ptx_coef and self.distributed.sequence_parallel > 1:
+                raise ValueError(f"preference.{algo}.ptx_coef with distributed.sequence_parallel="
+                                 f"{self.distributed.sequence_parallel}: the ptx rows are each rank's own, which a "
+                                 "sequence-parallel group cannot share; set one of them off")
             if oc.ptx_coef and oc.ptx_batch_size and oc.ptx_batch_size % micro_steps:
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "

@@ -144,6 +144,8 @@ def test_result_fields_leave_out_cadence_and_nest():
     (["distributed.sequence_parallel=2", "sft.packing=true"], "sft.packing with distributed.sequence_parallel=2"),
     (["distributed.sequence_parallel=2", "pretrain.document_mask=true"], "pretrain.document_mask with"),
     (["distributed.sequence_parallel=2", "model.attention=eager"], "does not run on model.attention=eager"),
+    (["distributed.sequence_parallel=2", "preference.algorithm=grpo"],
+     "preference.grpo.ptx_coef with distributed.sequence_parallel=2"),
     (["distributed.nproc_per_node=3", "distributed.sequence_parallel=3", *[f"{s}.{k}" for s in (
         "pretrain", "sft", "reward", "preference") for k in ("micro_batch_size=1", "global_batch_size=3")],
       "pretrain.seq_len=96"], "does not divide the model's 4 attention heads"),

@@ -122,6 +122,26 @@ def test_sequence_parallel_dpo_gives_the_data_parallel_loss_and_weights(chain, d
         assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-4, stage
 
 
+@pytest.mark.parametrize("algorithm,zero", [("grpo", 2), ("rloo", 3)])
+def test_sequence_parallel_grpo_and_rloo_give_the_data_parallel_updates(chain, tmp_path, algorithm, zero):
+    """GRPO (ZeRO-2) and RLOO (ZeRO-3) on 2 ranks that share every rollout (sequence parallel 2: one data-parallel
+    group) against the same stage on 1 rank: the same prompts, completions (sampled once a group), rewards,
+    advantages, loss and gradient norm at both updates."""
+    settings = [f"preference.algorithm={algorithm}", "distributed.zero_stage=2", "preference.max_steps=2",
+                "preference.log_every=1", "preference.save_every=100", "preference.global_batch_size=8",
+                "preference.micro_batch_size=2", f"preference.{algorithm}.ptx_coef=0"]
+    runs = {}
+    for name, extra in (("one", ["distributed.nproc_per_node=1"]),
+                        ("sp", ["distributed.sequence_parallel=2", f"distributed.zero_stage={zero}"])):
+        cfg, path = prepared(chain, tmp_path / name, *settings, *extra)
+        manifest, out_dir, out = run_stage(cfg, path, algorithm)
+        runs[name] = out_dir
+    assert f"[{algorithm}] sequence parallel 2 (1 data-parallel)" in out
+    for key in ("reward_mean", "loss", "grad_norm", "response_length", "entropy"):
+        want, got = logged(runs["one"], key), logged(runs["sp"], key)
+        assert len(got) == 2 and got == pytest.approx(want, rel=2e-3, abs=1e-5), key
+
+
 def test_ppo_with_tiled_log_probabilities_matches_its_first_update(chain, ppo, tmp_path):
     """PPO scoring and training its response tokens a tile of logits at a time: the first step (same rollouts)
     logs what the untiled run logged."""
