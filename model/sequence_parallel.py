@@ -167,7 +167,8 @@ def trainer(trainer_cls, sp: SequenceParallel | None):
       the shuffled rollouts; rewards are computed on whole sequences too.
       A generation batch is the data-parallel run's (RepeatSampler's chunk over world/N), and the ranks of a
       group hold whole prompt groups, so the trainer's advantages (gathered over all ranks, each group's twice
-      or N times) and its slice of them are the data-parallel run's.
+      or N times) and its slice of them are the data-parallel run's (the config checks that a group's rollouts
+      a step hold whole prompt groups).
     - TRL's DPO token count divides by the ranks that read the same batch."""
     if sp is None:
         return trainer_cls
@@ -178,12 +179,6 @@ def trainer(trainer_cls, sp: SequenceParallel | None):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._tp_size = getattr(self, "_tp_size", 1) * sp.size
-            generations = getattr(self, "num_generations", None)
-            per_group = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-            if generations and per_group % generations:
-                raise ConfigError(f"distributed.sequence_parallel={sp.size}: a group's rollouts a step "
-                                  f"(preference.micro_batch_size x accumulation = {per_group}) must hold whole prompt "
-                                  f"groups of num_generations={generations}")
 
         def train(self, *args, **kwargs):
             if not self._sharded:  # the reference as the stage left it (gptforge.model.hf_trainer.use_reference)

@@ -684,10 +684,16 @@ class PipelineConfig(Section):
         micro_steps = pc.global_batch_size // pc.micro_batch_size  # micro-batches of one TRL step, all processes
         for algo in online:
             oc = getattr(pc, algo)
-            if algo in SEQUENCE_PARALLEL_STAGES and oc.ptx_coef and self.distributed.sequence_parallel > 1:
-                raise ValueError(f"preference.{algo}.ptx_coef with distributed.sequence_parallel="
-                                 f"{self.distributed.sequence_parallel}: the ptx rows are each rank's own, which a "
-                                 "sequence-parallel group cannot share; set one of them off")
+            sp, groups = self.distributed.sequence_parallel, self.distributed.data_parallel(algo)
+            if algo in SEQUENCE_PARALLEL_STAGES and sp > 1 and oc.ptx_coef:
+                raise ValueError(f"preference.{algo}.ptx_coef with distributed.sequence_parallel={sp}: the ptx rows "
+                                 "are each rank's own, which a sequence-parallel group cannot share; set one of them "
+                                 "off")
+            if algo in SEQUENCE_PARALLEL_STAGES and sp > 1 and pc.global_batch_size // groups % oc.num_generations:
+                raise ValueError(f"preference.{algo}.num_generations={oc.num_generations} with distributed."
+                                 f"sequence_parallel={sp}: a group's rollouts a step (preference.global_batch_size "
+                                 f"over the {groups} data-parallel groups = {pc.global_batch_size // groups}) must "
+                                 "hold whole prompt groups")
             if oc.ptx_coef and oc.ptx_batch_size and oc.ptx_batch_size % micro_steps:
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "

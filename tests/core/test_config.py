@@ -146,6 +146,11 @@ def test_result_fields_leave_out_cadence_and_nest():
     (["distributed.sequence_parallel=2", "model.attention=eager"], "does not run on model.attention=eager"),
     (["distributed.sequence_parallel=2", "preference.algorithm=grpo"],
      "preference.grpo.ptx_coef with distributed.sequence_parallel=2"),
+    (["distributed.nproc_per_node=4", "distributed.sequence_parallel=2", "preference.algorithm=rloo",
+      "preference.rloo.ptx_coef=0", "preference.global_batch_size=12", "preference.micro_batch_size=1",
+      "preference.rloo.num_generations=4",
+      *[f"{s}.{k}" for s in ("pretrain", "sft", "reward") for k in ("global_batch_size=8", "micro_batch_size=1")]],
+     "a group's rollouts a step (preference.global_batch_size over the 2 data-parallel groups = 6) must hold"),
     (["distributed.nproc_per_node=3", "distributed.sequence_parallel=3", *[f"{s}.{k}" for s in (
         "pretrain", "sft", "reward", "preference") for k in ("micro_batch_size=1", "global_batch_size=3")],
       "pretrain.seq_len=96"], "does not divide the model's 4 attention heads"),
