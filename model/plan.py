@@ -231,9 +231,8 @@ def device_memory_gib(device: torch.device) -> float | None:
 
 def long_context(cfg, stage: str, seq_len: int, micro_batch: int, vocab_size: int, hidden: int) -> LongContext:
     """A stage's LongContext as the config runs it (gptforge.model.tiling and .sequence_parallel decide)."""
-    from gptforge.model.tiling import logit_tiles, mlp_shards
-
     from gptforge.core.config import SEQUENCE_PARALLEL_STAGES
+    from gptforge.model.tiling import logit_tiles, mlp_shards
 
     dist = cfg.distributed
     stages = cfg.preference.algorithms() if stage == "preference" else [stage]  # a section: the stages it runs

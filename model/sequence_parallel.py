@@ -12,14 +12,15 @@ is the gradient of the whole sequence's mean. Under ZeRO-1/2, DeepSpeed divides 
 parallel world (world/N) instead of the world that summed them, N times too large (ZeRO-3 divides by the
 world); `backward_scale` is the factor that makes them right.
 
-A TRL trainer that scores sequences through TRL's fused LM head (DPO) takes it through `trainer`: the ranks of a
-group read the same micro-batches, and the model's fused forward shards each one, scores its slice and joins the
-group's per-token log-probabilities, so that the trainer's loss code sees the whole sequences.
+TRL's trainers that score sequences through TRL's fused LM head (DPO, GRPO, RLOO) take it through `trainer`: the
+ranks of a group read the same micro-batches, and the model's fused forward shards each one, scores its slice and
+joins the group's per-token log-probabilities, so that the trainer's loss code sees the whole sequences.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,19 @@ class SequenceParallel:
             yield
         finally:
             ALL_ATTENTION_FUNCTIONS[name] = ulysses
+
+    def from_first_rank(self, value):
+        """The group's first rank's `value` (any picklable object), on every rank of the group."""
+        group = self.mpu.get_sequence_parallel_group()
+        out = [value]
+        torch.distributed.broadcast_object_list(out, src=torch.distributed.get_global_rank(group, 0), group=group)
+        return out[0]
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's (B, T/N, ...) slices joined along T, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.mpu.get_sequence_parallel_group())
+        return torch.cat(parts, dim=1)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of (B, T, ...) along T."""
@@ -82,19 +96,17 @@ class SequenceParallel:
 
 
 class _JoinSlices(torch.autograd.Function):
-    """The group's (B, T/N, ...) slices joined along T. Every rank of the group computes the same loss from the
-    joined tensor; backward hands each rank the gradient of its own slice, times `scale`."""
+    """`SequenceParallel.joined`, differentiable. Every rank of the group computes the same loss from the joined
+    tensor; backward hands each rank the gradient of its own slice, times `scale`."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, scale):
-        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        ctx.rank, ctx.n, ctx.scale = rank, x.size(1), scale
-        return torch.cat(parts, dim=1)
+    def forward(ctx, x, sp, scale):
+        ctx.rank, ctx.n, ctx.scale = sp.rank, x.size(1), scale
+        return sp.joined(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n] * ctx.scale, None, None, None
+        return grad[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n] * ctx.scale, None, None
 
 
 def shard_fused_forward(model, sp: SequenceParallel, scale: float) -> None:
@@ -109,16 +121,6 @@ def shard_fused_forward(model, sp: SequenceParallel, scale: float) -> None:
     from trl.trainer.utils import FusedCausalLMOutput
 
     fused = model.forward
-    group = sp.mpu.get_sequence_parallel_group()
-
-    def join(x, grad: bool):
-        if x is None:
-            return None
-        if grad:
-            return _JoinSlices.apply(x, group, sp.rank, scale)
-        parts = [torch.empty_like(x) for _ in range(sp.size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
 
     def forward(*args, fused_lm_head=False, labels=None, **kwargs):
         if not fused_lm_head:
@@ -140,8 +142,11 @@ def shard_fused_forward(model, sp: SequenceParallel, scale: float) -> None:
         back = (at - lead) % length  # where each token went
 
         def whole(key):
-            x = join(getattr(out, key), grad=key in ("log_probs", "entropy"))
-            return None if x is None else x[:, :length].gather(1, back)[:, :length - 1]
+            x = getattr(out, key)
+            if x is None:
+                return None
+            x = _JoinSlices.apply(x, sp, scale) if key in ("log_probs", "entropy") else sp.joined(x)
+            return x[:, :length].gather(1, back)[:, :length - 1]
 
         fields = {k: whole(k) for k in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1",
                                         "label_mask")}
@@ -151,9 +156,11 @@ def shard_fused_forward(model, sp: SequenceParallel, scale: float) -> None:
     model.forward = forward
 
 
-def trainer(trainer_cls, sp: SequenceParallel | None):
-    """`trainer_cls` (TRL's DPOTrainer, GRPOTrainer or RLOOTrainer) run sequence-parallel by `sp`: each group of N
-    ranks works as one data-parallel rank whose sequences it shares. Itself when `sp` is None.
+def trainer(trainer_cls, policy, dist, rows: int, stage: str):
+    """`trainer_cls` (TRL's DPOTrainer, GRPOTrainer or RLOOTrainer) run sequence-parallel over
+    `distributed.sequence_parallel` ranks (Ulysses registered for `policy`, whose micro-batches hold `rows` rows of
+    varying length): each group of N ranks works as one data-parallel rank whose sequences it shares. Itself when
+    N is 1.
 
     - The training batches are split over the data-parallel groups, not the ranks: accelerate's shard of the
       batch sampler takes the group's index and count, so the ranks of a group read the same micro-batches
@@ -170,8 +177,11 @@ def trainer(trainer_cls, sp: SequenceParallel | None):
       or N times) and its slice of them are the data-parallel run's (the config checks that a group's rollouts
       a step hold whole prompt groups).
     - TRL's DPO token count divides by the ranks that read the same batch."""
+    sp = setup(policy, dist, rows, None, "preference.max_length")
     if sp is None:
         return trainer_cls
+    if torch.distributed.get_rank() == 0:
+        print(f"[{stage}] sequence parallel {sp.size} ({sp.dp_world} data-parallel)", file=sys.stderr, flush=True)
 
     class SequenceParallelTrainer(trainer_cls):
         _sharded = False
@@ -202,23 +212,19 @@ def trainer(trainer_cls, sp: SequenceParallel | None):
             return sampler
 
         def _from_first_rank(self, value):
-            """The group's first rank's `value` (tensors on this rank's device)."""
-            group = sp.mpu.get_sequence_parallel_group()
-            out = [value]
-            torch.distributed.broadcast_object_list(out, src=torch.distributed.get_global_rank(group, 0), group=group)
+            """The group's first rank's `value`, its tensors on this rank's device."""
             device = self.accelerator.device
-            return torch.utils._pytree.tree_map(lambda x: x.to(device) if torch.is_tensor(x) else x, out[0])
+            return torch.utils._pytree.tree_map(lambda x: x.to(device) if torch.is_tensor(x) else x,
+                                                sp.from_first_rank(value))
 
         def _generate(self, prompts):
             # the first rank's generator state on every rank of the group: they sample (and later shuffle) alike,
             # so what the trainer logs of the samples is of the ones kept
-            group = sp.mpu.get_sequence_parallel_group()
-            states = [(torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)]
-            torch.distributed.broadcast_object_list(states, src=torch.distributed.get_global_rank(group, 0),
-                                                    group=group)
-            torch.set_rng_state(states[0][0])
-            if states[0][1] is not None:
-                torch.cuda.set_rng_state(states[0][1])
+            cpu, cuda = sp.from_first_rank((torch.get_rng_state(),
+                                            torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda)
             with sp.whole_sequences():
                 return self._from_first_rank(super()._generate(prompts))
 

@@ -59,12 +59,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     ref_dir = reference_dir(cfg, inputs)
     reference = AutoModelForCausalLM.from_pretrained(ref_dir, **load_kwargs(ref_dir, cfg.model)) if pc.reference \
         else None
-    # a chosen and a rejected row per pair; their lengths vary
-    sp = sequence_parallel.setup(policy, dist, 2 * pc.micro_batch_size, None, "preference.max_length")
-    if sp and rank == 0:
-        print(f"[dpo] sequence parallel {sp.size} ({sp.dp_world} data-parallel)", file=sys.stderr, flush=True)
-    trainer = sequence_parallel.trainer(DPOTrainer, sp)(model=policy, ref_model=reference, args=args,
-                         train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
+    # a micro-batch holds a chosen and a rejected row per pair
+    trainer_cls = sequence_parallel.trainer(DPOTrainer, policy, dist, 2 * pc.micro_batch_size, "dpo")
+    trainer = trainer_cls(model=policy, ref_model=reference, args=args,
+                          train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
     with no_pickled_code():
         resumed = resume_point(out_dir, "dpo", rank, world)
         guard = TrainerGuard(trainer, pc, "dpo", out_dir, resumed)

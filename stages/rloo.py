@@ -53,10 +53,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
     metrics = TrainerMetrics(out_dir / "logs")
     policy = positions_from_mask(load_policy(sft_dir, cfg, uses_bf16(dist, device)))
-    sp = sequence_parallel.setup(policy, dist, pc.micro_batch_size, None, "preference.max_length")
-    if sp and rank == 0:
-        print(f"[rloo] sequence parallel {sp.size} ({sp.dp_world} data-parallel)", file=sys.stderr, flush=True)
-    trainer_cls = sequence_parallel.trainer(trainer_cls, sp)
+    trainer_cls = sequence_parallel.trainer(trainer_cls, policy, dist, pc.micro_batch_size, "rloo")
     trainer = trainer_cls(model=policy, args=args, train_dataset=prompts_dataset(prompts),
                           processing_class=tokenizer, callbacks=[metrics, Checkpoints()], **trl_rewards)
     rewards.name_rewards(trainer, scoring)  # logged as rewards/<label>
