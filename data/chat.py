@@ -10,12 +10,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from trl.trainer.utils import pad
 
 from gptforge.core.errors import DataError
 from gptforge.data.loader import DistributedOrder
 
 IGNORE = -100  # the label of a token without loss (PyTorch's cross-entropy ignore_index)
+
+
+def pad(rows: list[torch.Tensor], value: int, side: str = "right") -> torch.Tensor:
+    """1-D tensors of any lengths as one (B, T_max) tensor, filled with `value` on the `side` each row ends short."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -29,10 +30,13 @@ def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
     timeout = timedelta(minutes=dist.timeout_minutes if dist is not None else 30)
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout.total_seconds()) + 60))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
+    # transformers' MLflow callback and TRL's profiling import MLflow when it is installed (seconds of each rank's
+    # start); gptforge tracks to MLflow itself (gptforge.model.tracking) and reports nothing through them
+    os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
     if "RANK" not in os.environ:  # no launcher: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if not cuda:
         # DeepSpeed's shared-memory all-reduce op serves its inference all-reduce only. Its JIT build
@@ -52,6 +56,23 @@ def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def import_deepspeed():
+    """`import deepspeed`, without the MLflow import its autotuner makes at import time when MLflow is installed
+    (3 of the 5 s DeepSpeed's import takes on a CPU core; gptforge never autotunes). MLflow imports as usual
+    afterwards."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError, which DeepSpeed takes as not installed
+    try:
+        import deepspeed
+    finally:
+        if hide:
+            del sys.modules["mlflow"]
+    return deepspeed
 
 
 def return_freed_memory(threshold: int = 8 << 20) -> None:

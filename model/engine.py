@@ -1,11 +1,13 @@
 """DeepSpeed engines as every training stage builds them: the ZeRO config from configs/deepspeed, AdamW with
-decay on matrices only, warmup then cosine decay to min_lr (transformers' schedule, the one the TRL stages
-use too), and one clear message when memory runs out at start-up."""
+decay on matrices only, warmup then cosine decay to min_lr (transformers' `cosine_with_min_lr`, the one the TRL
+stages use too), and one clear message when memory runs out at start-up."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,12 +88,20 @@ def min_lr_rate(train) -> float:
     return min(1.0, train.min_lr / train.lr)
 
 
+def lr_factor(step: int, warmup: int, total: int, rate: float) -> float:
+    """The learning rate over its peak at `step`: linear warmup from 0 over `warmup` steps, then cosine decay to
+    `rate` at `total`. The factor of transformers' `cosine_with_min_lr` schedule, which the TRL stages take, written
+    here because importing transformers' schedules imports its Trainer's utilities (and PEFT) in every rank."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)) * (1 - rate) + rate)
+
+
 def lr_schedule(optimizer, train):
     """Linear warmup from 0 over warmup_steps, then cosine decay to min_lr at max_steps."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
-    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, train.warmup_steps, train.max_steps,
-                                                        min_lr_rate=min_lr_rate(train))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_factor, warmup=train.warmup_steps, total=train.max_steps, rate=min_lr_rate(train)))
 
 
 def inference_config(dist, device: torch.device, world: int, hidden_size: int | None, partition: bool) -> dict:

@@ -18,7 +18,9 @@ and torch's elastic agent of rank 0 opens the workers' bootstrap store on its no
 
 from __future__ import annotations
 
+import base64
 import datetime
+import json
 import os
 import shlex
 import socket
@@ -44,14 +46,17 @@ def single_process(cfg: PipelineConfig, step: str) -> bool:
 
 
 def launcher_of(cfg: PipelineConfig, stage: str) -> str:
-    return "accelerate" if stage in ACCELERATE_ONLY else cfg.distributed.launcher
+    """The agent that starts a stage's ranks: the configured one, but accelerate for the TRL stages under deepspeed
+    and torchrun (gptforge's agent gives them accelerate's environment itself: `node_env`)."""
+    launcher = cfg.distributed.launcher
+    return "accelerate" if stage in ACCELERATE_ONLY and launcher in ("deepspeed", "torchrun") else launcher
 
 
 def hosts_rendezvous(cfg: PipelineConfig, stage: str) -> bool:
     """Whether this process hosts the stage's rendezvous store (see the module's docstring)."""
     launcher = launcher_of(cfg, stage)
-    return not single_process(cfg, stage) and (launcher == "torchrun" or launcher == "deepspeed"
-                                          and not cfg.distributed.hostfile)
+    return not single_process(cfg, stage) and (launcher in ("gptforge", "torchrun") or launcher == "deepspeed"
+                                                and not cfg.distributed.hostfile)
 
 
 @contextmanager
@@ -95,7 +100,10 @@ def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
     d = cfg.distributed
     port = port or d.master_port
     launcher = launcher_of(cfg, stage)
-    if launcher == "torchrun":
+    if launcher == "gptforge":
+        cmd = [sys.executable, "-m", "gptforge.pipeline.agent", f"--nproc-per-node={d.nproc_per_node}",
+               f"--nnodes={d.nnodes}", f"--node-rank={node}", f"--master={d.master_addr}:{port}"]
+    elif launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}",
                f"--nnodes={d.nnodes}", f"--node_rank={node}", "--rdzv_backend=c10d",
                f"--rdzv_endpoint={d.master_addr}:{port}", "--rdzv_conf=is_host=false", f"--rdzv_id={stage}-{port}",
@@ -107,13 +115,14 @@ def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
                "--main_process_ip", d.master_addr, "--main_process_port", str(port)]
         if d.nnodes > 1:
             cmd += ["--deepspeed_multinode_launcher", "standard", "--rdzv_backend", "c10d"]
-    else:
+    elif d.hostfile:  # the deepspeed runner reaches the nodes itself (pdsh or ssh)
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", d.master_addr,
-               "--master_port", str(port)]
-        if d.hostfile:
-            cmd += ["--hostfile", d.hostfile]
-        else:
-            cmd += ["--num_nodes", "1", "--num_gpus", str(d.nproc_per_node)]
+               "--master_port", str(port), "--hostfile", d.hostfile]
+        return [*cmd, "--module", module, *args]
+    else:  # one node: DeepSpeed's per-node launcher, started as its runner would (which imports DeepSpeed once more)
+        world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(d.nproc_per_node))}).encode()).decode()
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--node_rank=0",
+               f"--master_addr={d.master_addr}", f"--master_port={port}"]
         return [*cmd, "--module", module, *args]
     return [*cmd, "-m", module, *args]
 
@@ -157,4 +166,6 @@ def node_env(cfg: PipelineConfig, stage: str) -> dict[str, str]:
         env[PARENT_ENV] = os.environ[PARENT_ENV]
     if hosts_rendezvous(cfg, stage) and launcher_of(cfg, stage) == "deepspeed":
         env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    if stage in ACCELERATE_ONLY and launcher_of(cfg, stage) != "accelerate":  # what `accelerate launch` would set
+        env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(cfg.distributed.zero_stage))
     return env

@@ -10,10 +10,12 @@ stage has finished, rank 0 writes `result.json` (its final metrics) into the out
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from gptforge.core.config import PipelineConfig, load_config
 from gptforge.core.errors import UserError, storage_error
@@ -106,6 +108,17 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
         print(f"error: {stage}: {hung_rank(e, cfg.distributed.timeout_minutes)}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a stage's process with `code` at once, its output flushed (`python -m gptforge.stages.<stage>`). The
+    interpreter's own teardown of torch, DeepSpeed and transformers took 2 to 5 s of every rank at the end of every
+    stage, and does nothing for a stage that has written its result: each stage closes what it opened (its logs,
+    tracker, Ray instance and process group) itself."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _input(item: str) -> tuple[str, Path]:

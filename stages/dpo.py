@@ -12,7 +12,6 @@ them ([sigmoid, sft] is RPO). With `distributed.sequence_parallel: N`, groups of
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
@@ -25,7 +24,7 @@ from gptforge.model.hf_trainer import Checkpoints, TrainerGuard, TrainerMetrics,
 from gptforge.model import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = MODEL_OUTPUTS
 
@@ -41,10 +40,10 @@ def as_dataset(pairs: list[dict]):
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
 
     pc, dist = cfg.preference, cfg.distributed
     rank, world, device = setup_distributed(cfg.distributed)
+    from trl import DPOConfig, DPOTrainer  # after setup_distributed, whose environment spares TRL's import of MLflow
     sft_dir = inputs["sft"] / "model"  # the policy and its reference; DPO needs no reward model
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     train = as_dataset(loaders.preference_pairs(cfg.data).train)
@@ -73,4 +72,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main("dpo", run))
+    exit_process(main("dpo", run))

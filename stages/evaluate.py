@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from gptforge.model.evaluate import (answers, policy_and_judge, preference_repor
 from gptforge.model import rewards
 from gptforge.model.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, start_model
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 
@@ -124,4 +123,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main("evaluate", run))
+    exit_process(main("evaluate", run))

@@ -46,7 +46,7 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.attention import load_kwargs
 from gptforge.model.tiling import logit_tiles, token_logprobs
 from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = MODEL_OUTPUTS
 
@@ -261,4 +261,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main("ppo", run))
+    exit_process(main("ppo", run))

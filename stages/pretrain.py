@@ -36,7 +36,7 @@ from gptforge.model import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
 from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = MODEL_OUTPUTS
 
@@ -208,4 +208,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main("pretrain", run))
+    exit_process(main("pretrain", run))

@@ -37,7 +37,7 @@ from gptforge.model.losses import pairwise_reward_loss
 from gptforge.model.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_dtype, model_dir, prepare_tokenizer
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = MODEL_OUTPUTS
 
@@ -194,4 +194,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main("reward", run))
+    exit_process(main("reward", run))

@@ -12,7 +12,6 @@ The held-out report is the evaluation step's (gptforge.stages.evaluate).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
@@ -28,16 +27,15 @@ from gptforge.model.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics
                                        resume_point, trainer_kwargs, use_reference, with_ptx)
 from gptforge.model import sequence_parallel
 from gptforge.model.pretrained import load_policy, reference_dir
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = MODEL_OUTPUTS
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    from trl import RLOOConfig, RLOOTrainer
-
     pc, oc, dist = cfg.preference, cfg.preference.rloo, cfg.distributed
     rank, world, device = setup_distributed(cfg.distributed)
+    from trl import RLOOConfig, RLOOTrainer  # after setup_distributed, whose environment spares TRL's import of MLflow
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
@@ -71,4 +69,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main("rloo", run))
+    exit_process(main("rloo", run))

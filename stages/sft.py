@@ -41,7 +41,7 @@ from gptforge.model import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
 from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = MODEL_OUTPUTS
 
@@ -177,4 +177,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main("sft", run))
+    exit_process(main("sft", run))

@@ -36,7 +36,7 @@ from gptforge.data.shards import dtype_for, entropy, write_index
 from gptforge.data.sources import Unit, unit_bytes, units
 from gptforge.data.tokenizer import load_pretrained, save_hf, train_bpe
 from gptforge.model.pretrained import TOKENIZER_FILES, model_dir
-from gptforge.stages.cli import main
+from gptforge.stages.cli import exit_process, main
 
 OUTPUTS = {"tokenizer": "tokenizer", "shards": "shards"}
 WARNINGS = 5  # bad rows named in the log (all are counted)
@@ -201,4 +201,4 @@ def encoded(plan: list[Unit], done_dir: Path) -> dict[int, dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main("tokenize", run))
+    exit_process(main("tokenize", run))

@@ -311,8 +311,9 @@ class ModelSection(Section):
 
 
 class DistributedSection(Section):
-    launcher: Literal["deepspeed", "torchrun", "accelerate"] = Setting("deepspeed", description="The agent each node "
-                                                                       "runs (the TRL stages always use accelerate).")
+    launcher: Literal["gptforge", "deepspeed", "torchrun", "accelerate"] = Setting(
+        "gptforge", description="The agent each node runs: gptforge's own (ranks start at once, in its process group), "
+        "deepspeed, torchrun or accelerate (TRL stages: accelerate under those).")
     node_launcher: Literal["local", "ssh", "slurm"] = Setting(
         "local", same_result=True, description="How a run starts the agents: local (all on this host), ssh (one per "
         "hostfile host), slurm (srun in the allocation).")

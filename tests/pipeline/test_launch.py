@@ -1,3 +1,5 @@
+import base64
+import json
 import sys
 from pathlib import Path
 
@@ -5,7 +7,7 @@ import pytest
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import ConfigError
-from gptforge.pipeline.nodes import node_commands
+from gptforge.pipeline.nodes import node_commands, node_env
 from tests.conftest import TINY
 
 BATCHES = [f"{s}.global_batch_size=256" for s in ("pretrain", "sft", "reward", "preference")]
@@ -24,13 +26,30 @@ def test_tokenize_and_evaluation_run_as_one_process():
                                                                           "gptforge.stages.evaluate"]
 
 
+def test_gptforges_agent_starts_each_nodes_ranks_and_meets_at_the_hosted_store():
+    (c,) = cmds("distributed.nproc_per_node=4")  # the default launcher
+    assert c[1:3] == ["-m", "gptforge.pipeline.agent"] and "--nproc-per-node=4" in c and "--master=127.0.0.1:4242" in c
+    assert c[-8:] == ["-m", "gptforge.stages.pretrain", *ARGS]
+    nodes = cmds("distributed.nnodes=2", "distributed.nproc_per_node=8")
+    assert [[a for a in n if a.startswith(("--node-rank", "--nnodes"))] for n in nodes] == [
+        ["--nnodes=2", "--node-rank=0"], ["--nnodes=2", "--node-rank=1"]]
+    (dpo,) = cmds(stage="dpo", inputs={"sft": Path("s")})  # a TRL stage: accelerate's environment, no accelerate
+    assert dpo[1:3] == ["-m", "gptforge.pipeline.agent"]
+    env = node_env(load_config(TINY, [*BATCHES, "distributed.zero_stage=3"]), "dpo")
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+
+
 def test_deepspeed_single_node_and_hostfile():
-    (c,) = cmds("distributed.nproc_per_node=4")
-    assert c[1:3] == ["-m", "deepspeed.launcher.runner"] and c[c.index("--num_gpus") + 1] == "4"
-    assert c[c.index("--master_port") + 1] == "4242" and c[-8:] == ["--module", "gptforge.stages.pretrain", *ARGS]
-    (h,) = cmds("distributed.hostfile=/etc/hosts.ds", "distributed.master_addr=10.0.0.1", "distributed.nnodes=2")
+    (c,) = cmds("distributed.launcher=deepspeed", "distributed.nproc_per_node=4")
+    # one node: DeepSpeed's per-node launcher alone (its runner would import DeepSpeed once more to start it)
+    assert c[1:4] == ["-u", "-m", "deepspeed.launcher.launch"] and "--master_port=4242" in c
+    world = next(a for a in c if a.startswith("--world_info=")).split("=", 1)[1]
+    assert json.loads(base64.urlsafe_b64decode(world)) == {"localhost": [0, 1, 2, 3]}
+    assert c[-8:] == ["--module", "gptforge.stages.pretrain", *ARGS]
+    (h,) = cmds("distributed.launcher=deepspeed", "distributed.hostfile=/etc/hosts.ds",
+                "distributed.master_addr=10.0.0.1", "distributed.nnodes=2")
+    assert h[1:3] == ["-m", "deepspeed.launcher.runner"]  # the deepspeed runner reaches the nodes itself
     assert h[h.index("--hostfile") + 1] == "/etc/hosts.ds" and h[h.index("--master_addr") + 1] == "10.0.0.1"
-    assert "--num_gpus" not in h  # the deepspeed runner reaches the nodes itself
 
 
 def test_torchrun_on_local_nodes_meets_at_the_hosted_store():
@@ -71,7 +90,8 @@ def test_accelerate_uses_deepspeed_with_world_size():
 @pytest.mark.parametrize("overrides, message", [
     (["distributed.nnodes=2", "distributed.node_rank=5", "distributed.launcher=torchrun"],
      r"distributed: node_rank=5 must be below nnodes=2"),
-    (["distributed.nnodes=2"], r"launcher=deepspeed reaches the other 1 node\(s\) through a hostfile"),
+    (["distributed.nnodes=2", "distributed.launcher=deepspeed"],
+     r"launcher=deepspeed reaches the other 1 node\(s\) through a hostfile"),
     (["distributed.nnodes=2", "distributed.launcher=torchrun", "distributed.node_launcher=ssh"],
      r"node_launcher=ssh needs distributed.hostfile"),
 ])

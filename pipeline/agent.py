@@ -1,0 +1,110 @@
+"""gptforge's own node agent (`distributed.launcher: gptforge`, the default): starts this node's ranks of a stage
+with the environment a launcher gives them, and waits for them.
+
+    python -m gptforge.pipeline.agent --nproc-per-node 2 --nnodes 1 --node-rank 0 --master 127.0.0.1:29500 \\
+        -m gptforge.stages.pretrain --config CONFIG --out DIR --input tokenize=DIR
+
+Why a launcher of our own: a stage's ranks should start at once. The deepspeed launcher imports DeepSpeed in its
+runner and again in its per-node `launch.py` (about 5 s of CPU before any rank starts), and torchrun's agent imports
+torch and starts its workers in sessions of their own, where killing the stage's process group misses them. This
+agent imports nothing but the standard library, keeps its ranks in its own process group, and hosts nothing: the
+ranks join the TCPStore that the pipeline hosts at master_addr:master_port as its clients
+(`TORCHELASTIC_USE_AGENT_STORE`, as ranks of torchrun's agent do), so no node's hostname decides where they meet.
+
+Each rank gets what torchrun's workers get (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+MASTER_PORT), DeepSpeed's names for the same (CROSS_RANK, CROSS_SIZE, LOCAL_SIZE), and OMP_NUM_THREADS=1 where
+several share a node and it is unset (as torchrun does; gptforge.model.train.distributed gives each its share of the
+cores). The first rank that fails ends the others (SIGTERM, then SIGKILL after a grace period) and the agent exits
+with its code; SIGTERM and SIGINT sent to the agent reach every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+GRACE_S = 5.0  # between SIGTERM and SIGKILL of the ranks left when one failed
+
+
+def rank_env(base: dict[str, str], nproc: int, nnodes: int, node_rank: int, local_rank: int, master_addr: str,
+             master_port: int) -> dict[str, str]:
+    """The environment of one rank."""
+    world = nproc * nnodes
+    env = dict(base)
+    env.update(RANK=str(node_rank * nproc + local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank), ROLE_RANK=str(node_rank * nproc + local_rank),
+               ROLE_WORLD_SIZE=str(world), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+               CROSS_RANK=str(node_rank), CROSS_SIZE=str(nnodes), LOCAL_SIZE=str(nproc),
+               TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def end(procs: list[subprocess.Popen], grace: float = GRACE_S) -> None:
+    """SIGTERM every rank still running, then SIGKILL what is left after `grace` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def exit_code(status: int) -> int:
+    """A shell's exit code for a child's wait status: its own code, or 128 + the signal that ended it."""
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def run(cmd: list[str], nproc: int, nnodes: int, node_rank: int, master_addr: str, master_port: int) -> int:
+    """Start the node's ranks of `cmd` and wait for all; the first failure's exit code, or 0."""
+    procs = [subprocess.Popen(cmd, env=rank_env(os.environ, nproc, nnodes, node_rank, r, master_addr, master_port),
+                              stdin=subprocess.DEVNULL) for r in range(nproc)]
+    by_pid = {p.pid: p for p in procs}
+
+    def forward(signum, frame):  # a cancelled stage: every rank goes, then this agent
+        end(procs)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    running = set(by_pid)
+    while running:
+        pid, status = os.wait()  # whichever rank ends first
+        if pid not in running:
+            continue
+        running.discard(pid)
+        by_pid[pid].returncode = code = exit_code(status)
+        if code != 0:
+            end(procs)
+            return code
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m gptforge.pipeline.agent", usage="%(prog)s [options] -m MODULE "
+                                     "[ARG ...]", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks on this node")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the stage")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (node 0 holds rank 0)")
+    parser.add_argument("--master", required=True, metavar="ADDR:PORT", help="the rendezvous store the ranks join")
+    if "-m" not in argv or argv.index("-m") == len(argv) - 1:
+        parser.error("-m MODULE is required: the module each rank runs, then its arguments")
+    i = argv.index("-m")
+    args = parser.parse_args(argv[:i])
+    addr, _, port = args.master.rpartition(":")
+    return run([sys.executable, "-u", "-m", *argv[i + 1:]], args.nproc_per_node, args.nnodes, args.node_rank,
+               addr.strip("[]"), int(port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
