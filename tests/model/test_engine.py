@@ -27,3 +27,18 @@ def test_warmup_then_cosine_to_min_lr_by_hand():
 
 def test_never_decays_upwards():
     assert lrs(1.0, 2.0, 0, 4) == pytest.approx([1.0] * 5)
+
+
+def test_the_schedule_is_the_one_the_trl_stages_take():
+    """Our loops' schedule and transformers' cosine_with_min_lr (the TRL stages' lr_scheduler_type) agree at every
+    step, warm-up and the end included."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(opt, 7, 50, min_lr_rate=1e-5 / 3e-4)
+    expected = []
+    for _ in range(51):
+        expected.append(theirs.get_last_lr()[0])
+        opt.step()
+        theirs.step()
+    assert lrs(3e-4, 1e-5, 7, 50) == pytest.approx(expected, rel=1e-12, abs=1e-15)
