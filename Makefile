@@ -2,6 +2,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 CONFIG  ?= configs/tiny.yaml
+EXTRAS  ?= dev,browser
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -14,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 run: $(STAMP)
