@@ -220,13 +220,13 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
                       synced: bool = False, verifiable: bool = True,
                       reward_tokenizer=None, cache: str = "full", checks: list | None = None,
-                      samples: int = 0) -> tuple[dict, list[str]]:
+                      samples: int = 0) -> tuple[dict, list[dict]]:
     """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
     SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
     samples from the policy (nats per response, with the standard error of that mean: a single-sample estimate, it
     can come out slightly negative where the two models are close), and on `verifiable` items (the demo's) the
     exact match of both (`reward_tokenizer`: the reward model's, where it is not the policy's);
-    and the policy's greedy answers. Each of `checks` (gptforge.model.rewards, the rewards but the reward model)
+    and each item's row: the policy's and the SFT model's greedy answers and their scores. Each of `checks` (gptforge.model.rewards, the rewards but the reward model)
     scores both models' greedy answers (accuracy/<label>, sft_accuracy/<label>) and, with `samples`, `samples`
     sampled answers of each (pass@<samples>/<label>: a positive reward among them). Without a reward model the
     checks' weighed total is the score. Batched; each rank takes its share of the batches (`shares`), every rank
@@ -269,7 +269,8 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
         truth = [it["answer"] for it in items]
         report |= {"exact_match": score_references(col["answer"], truth, ["exact_match"])["exact_match"],
                    "sft_exact_match": score_references(col["sft_answer"], truth, ["exact_match"])["exact_match"]}
-    return report, col["answer"]
+    return report, [{"response": r["answer"], "sft_response": r["sft_answer"], "score": r["score"],
+                     "sft_score": r["sft_score"]} for r in rows]
 
 
 def passes(model, tokenizer, batch: list[dict], checks: list, k: int, max_new_tokens: int, seed: int,

@@ -13,7 +13,9 @@ reference answers (ROUGE-L; exact match where the answers are short; without ref
 could not be computed). After a preference stage (inputs the policy, sft, and reward where preference.rewards
 has a reward model): the preference report (gptforge.model.evaluate.preference_report), exact match only on the
 demo's verifiable items, and each of the other rewards' accuracy for both models (with eval.samples, pass@k as
-well). Greedy answers go to `answers.jsonl`. Then `eval.harness_tasks` through lm-evaluation-harness
+well). Each item's greedy answers go to `answers.jsonl`: the model's `response` beside its base's
+(`base_response`) after SFT, or beside the SFT model's (`sft_response`) with both scores after a preference stage,
+so that every figure of the report can be recomputed from it. Then `eval.harness_tasks` through lm-evaluation-harness
 (gptforge.model.harness), results in `harness/`.
 
 Where it runs: on the CPU one process, in fp32. On GPUs (`eval.processes`) every process of the stage's layout
@@ -84,6 +86,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         base_responses = answers(unwrap(base), tokenizer, prompts, cfg.eval.max_new_tokens, **split, **cache)
         metrics = {**score_references(responses, references, scored),
                    **{f"base_{k}": v for k, v in score_references(base_responses, references, scored).items()}}
+        rows = [{"response": r, "base_response": b} for r, b in zip(responses, base_responses)]
     else:  # the policy against the SFT model: judged by the reward model, scored by the other rewards
         _, reward_dir, _, reward_tokenizer = policy_and_judge(cfg, inputs)
         sft = load(AutoModelForCausalLM, inputs["sft"] / "model")
@@ -91,16 +94,16 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         checks, skipped = rewards.checks_for(cfg.preference, tokenizer, items)
         if skipped and rank == 0:
             print(f"[eval] {held_out.source}: not computed: {', '.join(skipped)} (no reference answers)", flush=True)
-        metrics, responses = preference_report(unwrap(model), unwrap(sft), reward_model, tokenizer, items,
+        metrics, rows = preference_report(unwrap(model), unwrap(sft), reward_model, tokenizer, items,
                                                cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
                                                reward_tokenizer=reward_tokenizer, checks=checks,
                                                samples=cfg.eval.samples, **split, **cache)
     if rank == 0:
         with open(out_dir / OUTPUTS["answers"], "w") as f:
-            for it, r in zip(items, responses):
-                f.write(json.dumps({"prompt": it["prompt"], "answer": it["answer"], "response": r}) + "\n")
-        for it, r in list(zip(items, responses))[:5]:
-            print(f"[eval] {it['prompt'][-1]['content']!r} -> {r!r} (answer {it['answer']!r})", flush=True)
+            for it, row in zip(items, rows):
+                f.write(json.dumps({"prompt": it["prompt"], "answer": it["answer"], **row}) + "\n")
+        for it, row in list(zip(items, rows))[:5]:
+            print(f"[eval] {it['prompt'][-1]['content']!r} -> {row['response']!r} (answer {it['answer']!r})", flush=True)
         if "kl_stderr" in metrics:
             print(f"[eval] KL to the SFT model: {metrics['kl']:.4f} ± {metrics['kl_stderr']:.4f} nats/response "
                   f"(standard error, {len(items)} items)", flush=True)

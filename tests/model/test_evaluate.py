@@ -63,8 +63,12 @@ def test_report_of_a_policy_against_itself_and_another(tokenizer):
     assert same["exact_match"] == same["sft_exact_match"] and len(answers) == len(items)
     with torch.no_grad():  # a policy far from the SFT model: KL(policy || SFT) on the policy's samples is large
         other.lm_head.weight.mul_(20.0)
-    far, _ = preference_report(other, sft, rm, tokenizer, items, max_new_tokens=4)
+    far, rows = preference_report(other, sft, rm, tokenizer, items, max_new_tokens=4)
     assert far["kl"] > 1.0
+    assert [r["sft_response"] for r in rows] == [r["response"] for r in answers]  # the same SFT model each time
+    assert far["win_rate_vs_sft"] == pytest.approx(win_rate(*zip(*[(r["response"], r["sft_response"], r["score"],
+                                                                    r["sft_score"]) for r in rows])))
+    assert far["reward_mean"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
     assert same["kl_stderr"] < 1e-5 and 0 < far["kl_stderr"] < far["kl"]  # the error of the mean
 
 
