@@ -42,16 +42,34 @@ def prefect_server():
 
 
 @pytest.fixture(scope="session")
-def chain(tmp_path_factory):
-    """tokenize -> pretrain (ZeRO-2) -> sft -> reward (ZeRO-3), uninterrupted, real 2-process runs, in one root
-    shared by the stage tests: {"root": Path, stage: (manifest, out_dir, output)}."""
-    from tests.helpers import config, run_stage, tokenize_in_process
+def tokenized(tmp_path_factory) -> Path:
+    """The root of the session's stage store, holding the demo's tokenize output under the tests' config: the chain
+    below computes in it, and a test whose tokenize has the same fingerprint copies it from there
+    (tests.helpers.tokenize_from)."""
+    from tests.helpers import config, tokenize_in_process
 
     root = tmp_path_factory.mktemp("chain")
-    cfg, path = config(root, "distributed.zero_stage=2")
-    tokenize_in_process(cfg)
-    out = {"root": root, "pretrain": run_stage(cfg, path, "pretrain")}
-    cfg, path = config(root, "distributed.zero_stage=3")  # ZeRO is not part of the fingerprints
+    tokenize_in_process(config(root)[0])
+    return root
+
+
+@pytest.fixture(scope="session")
+def pretrained(tokenized):
+    """pretrain (ZeRO-2, a real 2-process run) on the session's tokenize output: (manifest, out_dir, output)."""
+    from tests.helpers import config, run_stage
+
+    cfg, path = config(tokenized, "distributed.zero_stage=2")
+    return run_stage(cfg, path, "pretrain")
+
+
+@pytest.fixture(scope="session")
+def chain(tokenized, pretrained):
+    """tokenize -> pretrain (ZeRO-2) -> sft -> reward (ZeRO-3), uninterrupted, real 2-process runs, in one root
+    shared by the stage tests: {"root": Path, stage: (manifest, out_dir, output)}."""
+    from tests.helpers import config, run_stage
+
+    out = {"root": tokenized, "pretrain": pretrained}
+    cfg, path = config(tokenized, "distributed.zero_stage=3")  # ZeRO is not part of the fingerprints
     out["sft"] = run_stage(cfg, path, "sft")
     out["reward"] = run_stage(cfg, path, "reward")
     return out

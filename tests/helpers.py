@@ -49,6 +49,13 @@ def tokenize_in_process(cfg):
     execute(cfg, "tokenize")
 
 
+def tokenize_from(shared: Path, cfg) -> None:
+    """`cfg`'s tokenize output: the shared root's (the session's `tokenized`) where the fingerprints agree, else
+    computed here."""
+    copy_store(shared, Path(cfg.run.root), "tokenize")
+    tokenize_in_process(cfg)
+
+
 class launch:
     """Start a single-node stage under its launcher, as the pipeline does, its rendezvous hosted here (a context
     manager: the store lives until the block ends); `.proc` is the launcher's process."""

@@ -14,20 +14,12 @@ from gptforge.model.checkpoints import newest_valid_checkpoint
 from gptforge.pipeline.launch import StageFailed
 from gptforge.pipeline.launch import run_stage as run_step
 from gptforge.pipeline.store import RunRecord, locate, read_manifest
-from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_in_process
+from tests.helpers import config, copy_store, logged, prepared, run_stage
 
 pytestmark = pytest.mark.slow
 GUARDED = ["distributed.zero_stage=2", "model.dropout=0.0", "pretrain.max_steps=10", "pretrain.save_every=1",
            "pretrain.eval_every=10", "pretrain.spike_factor=3", "pretrain.spike_window=2",
            "pretrain.max_bad_steps=2"]
-
-
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory):
-    root = tmp_path_factory.mktemp("guard")
-    cfg, _ = config(root, *GUARDED)
-    tokenize_in_process(cfg)
-    return root
 
 
 def guarded(root, tokenized, faults, monkeypatch, *overrides):

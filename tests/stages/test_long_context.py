@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_in_process
+from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_from, tokenize_in_process
 
 # A Llama 3-style base (RoPE base 500000) trained well at 64 tokens: its slow rotary dimensions never turn past what
 # 64 positions show them, which plain extrapolation to 256 then gets wrong, and YaRN interpolates. Here YaRN ends at
@@ -61,7 +61,7 @@ SP = ["model.preset=llama-tiny", "pretrain.seq_len=128", "pretrain.max_steps=6",
       "pretrain.global_batch_size=8", "pretrain.warmup_steps=2", "pretrain.grad_clip=0.5"]
 
 
-def test_sequence_parallel_gives_the_data_parallel_loss_curve_and_gradients_under_zero3_and_zero2(tmp_path):
+def test_sequence_parallel_gives_the_data_parallel_loss_curve_and_gradients_under_zero3_and_zero2(tokenized, tmp_path):
     """2 gloo processes: sequence_parallel=2 (one data-parallel group, each rank half of every window) against
     sequence_parallel=1 (two data-parallel ranks) on the same windows; the ZeRO-3 run also tiles logits and MLPs."""
     runs = {}
@@ -70,7 +70,7 @@ def test_sequence_parallel_gives_the_data_parallel_loss_curve_and_gradients_unde
                                       "distributed.tiling=true"]),
                         ("sp-zero2", ["distributed.zero_stage=2", "distributed.sequence_parallel=2"])):
         cfg, path = config(tmp_path / name, *SP, *extra)
-        tokenize_in_process(cfg)
+        tokenize_from(tokenized, cfg)
         manifest, out_dir, out = run_stage(cfg, path, "pretrain")
         runs[name] = (manifest["metrics"], logged(out_dir, "loss"), logged(out_dir, "grad_norm"), out)
     assert "sequence parallel 2" in runs["sp-zero3"][3] and "logits in" in runs["sp-zero3"][3]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import config, logged, run_stage, tokenize_in_process
+from tests.helpers import config, logged, run_stage, tokenize_from
 
 pytestmark = pytest.mark.slow
 STEPS = ["pretrain.max_steps=12", "pretrain.eval_every=12", "pretrain.save_every=100", "eval.items=8",
@@ -18,9 +18,9 @@ STEPS += [f"{s}.{k}" for s in ("sft", "reward", "preference") for k in ("max_ste
                                                                          "save_every=100")]
 
 
-def test_moe_runs_the_pipeline(tmp_path):
+def test_moe_runs_the_pipeline(tokenized, tmp_path):
     cfg, path = config(tmp_path, "model.preset=moe-tiny", "model.n_layer=2", "distributed.zero_stage=2", *STEPS)
-    tokenize_in_process(cfg)
+    tokenize_from(tokenized, cfg)
     manifest, out_dir, _ = run_stage(cfg, path, "pretrain")
     m = manifest["metrics"]
     assert m["active_parameters"] < m["parameters"]  # 2 of 4 experts a token

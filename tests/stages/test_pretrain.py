@@ -15,21 +15,22 @@ from gptforge.core.files import sha256_file
 from gptforge.model.checkpoints import newest_valid_checkpoint
 from gptforge.pipeline.store import locate
 from gptforge.stages.pretrain import load_data
-from tests.helpers import (config, copy_store, kill_after_checkpoint, launch, logged, run_stage,
+from tests.helpers import (config, copy_store, kill_after_checkpoint, launch, logged, run_stage, tokenize_from,
                            tokenize_in_process)
 
 pytestmark = pytest.mark.slow
 
 
-def pretrain(root, *overrides):
+def pretrain(tokenized, root, *overrides):
     cfg, path = config(root, *overrides)
-    tokenize_in_process(cfg)
+    tokenize_from(tokenized, cfg)
     return run_stage(cfg, path, "pretrain")
 
 
 @pytest.fixture(scope="module")
-def zero2(tmp_path_factory):
-    return pretrain(tmp_path_factory.mktemp("zero2"), "distributed.zero_stage=2")
+def zero2(pretrained):
+    """The session's 2-process ZeRO-2 pretraining, which the variants below are compared with."""
+    return pretrained
 
 
 def test_zero2_trains_and_exports(zero2, tmp_path):
@@ -58,17 +59,17 @@ def test_zero2_trains_and_exports(zero2, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_zero3_gives_the_loss_curve_of_zero2(zero2, tmp_path):
+def test_zero3_gives_the_loss_curve_of_zero2(zero2, tokenized, tmp_path):
     """Built partitioned, trained partitioned: the curve of ZeRO-2 (ZeRO-0 against ZeRO-3: test_zero3.py)."""
-    manifest, out_dir, _ = pretrain(tmp_path, "distributed.zero_stage=3")
+    manifest, out_dir, _ = pretrain(tokenized, tmp_path, "distributed.zero_stage=3")
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=2e-4)
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=2e-4)
 
 
-def test_compiled_model_gives_the_same_loss_curve_and_export(zero2, tmp_path):
+def test_compiled_model_gives_the_same_loss_curve_and_export(zero2, tokenized, tmp_path):
     from safetensors import safe_open
 
-    manifest, out_dir, out = pretrain(tmp_path, "distributed.zero_stage=2", "pretrain.compile=true")
+    manifest, out_dir, out = pretrain(tokenized, tmp_path, "distributed.zero_stage=2", "pretrain.compile=true")
     assert "torch.compile" in out
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=1e-3)
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=1e-3)
@@ -76,9 +77,9 @@ def test_compiled_model_gives_the_same_loss_curve_and_export(zero2, tmp_path):
     assert keys[0] == keys[1]  # compiled in place: no "_orig_mod." in the exported names
 
 
-def test_sigkill_then_rerun_matches_uninterrupted(zero2, tmp_path):
+def test_sigkill_then_rerun_matches_uninterrupted(zero2, tokenized, tmp_path):
     cfg, path = config(tmp_path, "distributed.zero_stage=2")
-    tokenize_in_process(cfg)
+    tokenize_from(tokenized, cfg)
     kill_after_checkpoint(cfg, path, "pretrain", step=10)
     manifest, out_dir, out = run_stage(cfg, path, "pretrain")
     assert "[pretrain] resumed from" in out
@@ -86,12 +87,12 @@ def test_sigkill_then_rerun_matches_uninterrupted(zero2, tmp_path):
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=1e-6)
 
 
-def test_killed_at_two_processes_resumed_at_one(zero2, tmp_path):
+def test_killed_at_two_processes_resumed_at_one(zero2, tokenized, tmp_path):
     """Elastic resume: a 2-process run killed after its step-10 checkpoint, resumed with 1 process through
     DeepSpeed's universal checkpoint, ends on the uninterrupted 2-process run's loss curve (within 1e-3: the
     same data a step, only summed over micro-batches instead of processes)."""
     cfg, path = config(tmp_path, "distributed.zero_stage=2")
-    tokenize_in_process(cfg)
+    tokenize_from(tokenized, cfg)
     kill_after_checkpoint(cfg, path, "pretrain", step=10)
     cfg, path = config(tmp_path, "distributed.zero_stage=2", "distributed.nproc_per_node=1")
     manifest, out_dir, out = run_stage(cfg, path, "pretrain")
@@ -162,10 +163,10 @@ def test_shards_from_another_tokenizer_are_a_clear_error(zero2, tmp_path):
         load_data(tok_out / "tokenizer", shards)
 
 
-def test_two_local_nodes_give_the_output_of_one_node_with_two_processes(zero2, tmp_path):
+def test_two_local_nodes_give_the_output_of_one_node_with_two_processes(zero2, tokenized, tmp_path):
     """2 "nodes" x 1 process on this host (torchrun agents meeting through the c10d rendezvous, as across real
     nodes): one output, the same loss curve as 1 node x 2 processes."""
-    manifest, out_dir, out = pretrain(tmp_path, "distributed.zero_stage=2", "distributed.launcher=torchrun",
+    manifest, out_dir, out = pretrain(tokenized, tmp_path, "distributed.zero_stage=2", "distributed.launcher=torchrun",
                                       "distributed.nnodes=2", "distributed.nproc_per_node=1")
     assert manifest["world_size"] == 2 and "[node 0]" in out and "[node 1]" in out
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=2e-4)
@@ -173,19 +174,19 @@ def test_two_local_nodes_give_the_output_of_one_node_with_two_processes(zero2, t
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])  # torchrun: the two-node test
-def test_other_launchers_run_two_processes(tmp_path, launcher):
-    manifest, _, _ = pretrain(tmp_path, f"distributed.launcher={launcher}", "pretrain.max_steps=4")
+def test_other_launchers_run_two_processes(tokenized, tmp_path, launcher):
+    manifest, _, _ = pretrain(tokenized, tmp_path, f"distributed.launcher={launcher}", "pretrain.max_steps=4")
     assert manifest["world_size"] == 2 and manifest["metrics"]["global_step"] == 4
 
 
-def test_out_of_memory_at_start_up_names_the_settings_to_change(tmp_path):
+def test_out_of_memory_at_start_up_names_the_settings_to_change(tokenized, tmp_path):
     """The allocator failing in the first step (simulated: the CPU allocator's error from the model's
     forward) ends the stage with one message naming the ZeRO stage, offload and micro-batch settings."""
     from gptforge.pipeline.store import locate, read_manifest
     from gptforge.stages.cli import stage_args
 
     cfg, path = config(tmp_path, "distributed.nproc_per_node=1", "pretrain.global_batch_size=16")
-    tokenize_in_process(cfg)
+    tokenize_from(tokenized, cfg)
     out_dir, _, inputs = locate(cfg, "pretrain")
     script = tmp_path / "oom.py"
     script.write_text(
