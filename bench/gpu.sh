@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=f
 
 if [[ "${1:-}" == "--cpu-smoke" ]]; then
   # (a) shrunk: the tiny preset, 8 steps, no compilation; (b) shrunk: tokenize and 8 steps of pretraining.
-  PRETRAIN=(--steps 8 --compile off --set tokenizer.vocab_size=320 --set data.demo.pretrain_docs=1500
+  PRETRAIN=(--steps 8 --repeats 1 --compile off --set tokenizer.vocab_size=320 --set data.demo.pretrain_docs=1500
             --set pretrain.seq_len=64 --set pretrain.micro_batch_size=4 --set pretrain.global_batch_size=8)
   PIPELINE=(--set data.demo.pretrain_docs=1500 --set data.demo.sft_items=200 --set data.demo.preference_pairs=200
             --set data.demo.eval_items=16 --set tokenizer.vocab_size=320 --set model.n_layer=2
