@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 from datetime import timedelta
 
 import torch
@@ -58,10 +59,23 @@ def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
+MUON = "deepspeed.runtime.zero.muon"  # its modules muon_optimizer and original_muon
+
+
+def _not_muon(*args, **kwargs):
+    raise RuntimeError("DeepSpeed's Muon optimizer is not loaded in gptforge's stages (gptforge.model.distributed)")
+
+
 def import_deepspeed():
-    """`import deepspeed`, without the MLflow import its autotuner makes at import time when MLflow is installed
-    (3 of the 5 s DeepSpeed's import takes on a CPU core; gptforge never autotunes). MLflow imports as usual
-    afterwards."""
+    """`import deepspeed`, without two imports that cost every rank seconds of its start and serve nothing
+    gptforge uses:
+    - the MLflow import its autotuner makes at import time when MLflow is installed (3 of the 5 s DeepSpeed's
+      import takes on a CPU core; gptforge never autotunes). MLflow imports as usual afterwards.
+    - its Muon optimizer's modules, which the ZeRO optimizers import at their start and in every backward only to
+      ask `isinstance(optimizer, MuonWithAuxAdam)` or to hold `muon_update` for Muon's parameters, and which
+      compile their kernels with torch.compile as they are imported, importing Inductor (2 s a rank). Every
+      engine gptforge builds steps AdamW (gptforge.model.engine, and the TRL Trainer's), so modules whose class
+      nothing is an instance of, and whose update is never called, answer the same."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
     hide = "mlflow" not in sys.modules
@@ -72,6 +86,11 @@ def import_deepspeed():
     finally:
         if hide:
             del sys.modules["mlflow"]
+    for name, attrs in (("muon_optimizer", {"MuonWithAuxAdam": type("MuonWithAuxAdam", (), {})}),
+                        ("original_muon", {"muon_update": _not_muon})):
+        stand_in = types.ModuleType(f"{MUON}.{name}", "Stands in for DeepSpeed's (gptforge.model.distributed).")
+        stand_in.__dict__.update(attrs)
+        sys.modules.setdefault(f"{MUON}.{name}", stand_in)
     return deepspeed
 
 
