@@ -226,7 +226,8 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
     samples from the policy (nats per response, with the standard error of that mean: a single-sample estimate, it
     can come out slightly negative where the two models are close), and on `verifiable` items (the demo's) the
     exact match of both (`reward_tokenizer`: the reward model's, where it is not the policy's);
-    and each item's row: the policy's and the SFT model's greedy answers and their scores. Each of `checks` (gptforge.model.rewards, the rewards but the reward model)
+    and each item's row: the policy's and the SFT model's greedy answers and their scores. Each of `checks`
+    (gptforge.model.rewards, the rewards but the reward model)
     scores both models' greedy answers (accuracy/<label>, sft_accuracy/<label>) and, with `samples`, `samples`
     sampled answers of each (pass@<samples>/<label>: a positive reward among them). Without a reward model the
     checks' weighed total is the score. Batched; each rank takes its share of the batches (`shares`), every rank

@@ -10,10 +10,7 @@ from pathlib import Path
 import torch
 
 from gptforge.core.errors import UserError
-
-# What a training stage's output holds: `model/` (adapters merged, where it trained any) and, for an adapter
-# stage, `adapter/` (the PEFT adapter alone); see export_model.
-MODEL_OUTPUTS = {"model": "model", "adapter": "adapter"}
+from gptforge.core.files import MODEL_OUTPUTS
 
 
 def stop_token_ids(tokenizer) -> list[int]:

@@ -181,11 +181,12 @@ def cmd_up(args) -> int:
 def cmd_stage(args) -> int:
     """One stage in this process (one rank of it under a launcher: rank 0 records it)."""
     from gptforge.pipeline.nodes import single_process
-    from gptforge.pipeline.store import UPSTREAM, RunRecord, execute, now
+    from gptforge.pipeline.store import RunRecord, execute, now
+    from gptforge.stages.registry import STAGES
 
     cfg = load_config(args.config, args.set)
-    if args.stage not in UPSTREAM:
-        raise UserError(f"unknown stage {args.stage!r}; stages: {', '.join(UPSTREAM)}")
+    if args.stage not in STAGES:
+        raise UserError(f"unknown stage {args.stage!r}; stages: {', '.join(STAGES)}")
     world, want = int(os.environ.get("WORLD_SIZE", "1")), cfg.distributed.world_size
     if not single_process(cfg, args.stage) and world != want:
         raise ConfigError(f"distributed asks for {want} processes (nproc_per_node={cfg.distributed.nproc_per_node} x "

@@ -26,8 +26,8 @@ from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
 from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
 from gptforge.pipeline.team import gpu_slots
-from gptforge.pipeline.store import (RunRecord, check_inputs, complete, locate, now, read_manifest, read_result,
-                                     stage_entry)
+from gptforge.pipeline.store import RunRecord, check_inputs, complete, locate, now, read_manifest, read_result
+from gptforge.stages.registry import STAGES
 
 
 class StageFailed(UserError):
@@ -105,7 +105,7 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
             record.update(stage, status="failed", finished_at=now())
             why = errors[-1] if errors else f"exit code {rc}"
             raise StageFailed(f"stage {stage} failed: {why} (its output {out_dir} is left incomplete)")
-        manifest = complete(cfg, stage, out_dir, fingerprint, inputs, stage_entry(stage)[1], result, began)
+        manifest = complete(cfg, stage, out_dir, fingerprint, inputs, STAGES[stage].outputs, result, began)
     record.update(stage, status="complete", finished_at=now(), metrics=manifest["metrics"],
                   seconds=round(time.perf_counter() - started, 2))
     return manifest

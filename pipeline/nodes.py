@@ -32,24 +32,25 @@ from pathlib import Path
 from gptforge.core.config import PipelineConfig
 from gptforge.model.tracking import PARENT_ENV
 from gptforge.core.errors import UserError
-from gptforge.pipeline.store import module_of
 from gptforge.stages.cli import stage_args
+from gptforge.stages.registry import STAGES
 
-ACCELERATE_ONLY = {"dpo", "grpo", "rloo"}  # TRL trainers need accelerate to see the world (model/hf_trainer.py)
 SLURM_NODE = "__SLURM_NODEID__"  # replaced by $SLURM_NODEID in the srun command
 
 
 def single_process(cfg: PipelineConfig, step: str) -> bool:
     """Tokenizing (its own Ray workers) runs as one process, without a launcher; so does evaluation unless it
     runs on every process (`eval.processes`)."""
-    return step == "tokenize" or step.startswith("eval-") and not cfg.eval.distributed(cfg.distributed)
+    evaluation_on_every_rank = step.startswith("eval-") and cfg.eval.distributed(cfg.distributed)
+    return STAGES[step].launcher == "single" and not evaluation_on_every_rank
 
 
 def launcher_of(cfg: PipelineConfig, stage: str) -> str:
     """The agent that starts a stage's ranks: the configured one, but accelerate for the TRL stages under deepspeed
     and torchrun (gptforge's agent gives them accelerate's environment itself: `node_env`)."""
     launcher = cfg.distributed.launcher
-    return "accelerate" if stage in ACCELERATE_ONLY and launcher in ("deepspeed", "torchrun") else launcher
+    trainer = STAGES[stage].launcher == "accelerate"  # a TRL Trainer needs accelerate to see the world (hf_trainer)
+    return "accelerate" if trainer and launcher in ("deepspeed", "torchrun") else launcher
 
 
 def hosts_rendezvous(cfg: PipelineConfig, stage: str) -> bool:
@@ -94,7 +95,7 @@ def rendezvous(cfg: PipelineConfig, stage: str) -> Iterator[int | None]:
 def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: Path, inputs: dict[str, Path],
                   node: int | str = 0, port: int | None = None) -> list[str]:
     """What one node runs: the stage under its launcher, as node `node`, meeting at master_addr:`port`."""
-    module, args = f"gptforge.stages.{module_of(stage)}", stage_args(config_path, out_dir, inputs)
+    module, args = f"gptforge.stages.{STAGES[stage].module}", stage_args(config_path, out_dir, inputs)
     if single_process(cfg, stage):
         return [sys.executable, "-m", module, *args]
     d = cfg.distributed
@@ -166,6 +167,6 @@ def node_env(cfg: PipelineConfig, stage: str) -> dict[str, str]:
         env[PARENT_ENV] = os.environ[PARENT_ENV]
     if hosts_rendezvous(cfg, stage) and launcher_of(cfg, stage) == "deepspeed":
         env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-    if stage in ACCELERATE_ONLY and launcher_of(cfg, stage) != "accelerate":  # what `accelerate launch` would set
+    if STAGES[stage].launcher == "accelerate" and launcher_of(cfg, stage) != "accelerate":  # as `accelerate launch`
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(cfg.distributed.zero_stage))
     return env

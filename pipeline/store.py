@@ -26,27 +26,20 @@ from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.data.loaders import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.stages.cli import RESULT, run_stage
+from gptforge.stages.registry import EVALUATED, STAGES
 
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
-# Bumped when a stage's code changes what it computes from the same config and inputs (1 if absent),
-# so that its stored outputs, and those downstream, are recomputed rather than reused.
-CODE_VERSIONS = {"tokenize": 2}  # tokenize 2: streamed in units, shards format 2 (index with counts and max id)
-EVALUATED = ("sft", *ALGORITHMS)  # the stages followed by an evaluation step
-UPSTREAM = {"tokenize": (), "pretrain": ("tokenize",), "sft": ("pretrain",), "reward": ("sft",),
-            "dpo": ("sft",), **{a: ("sft", "reward") for a in ALGORITHMS if a != "dpo"},  # DPO needs no reward model
-            "eval-sft": ("sft", "pretrain"), **{f"eval-{a}": (a, "sft", "reward") for a in ALGORITHMS}}
-# The data source (a `data.<name>` field) each stage reads, if any.
-DATA_OF = {"tokenize": "pretrain", "sft": "sft", "reward": "preference", **{a: "preference" for a in ALGORITHMS}}
 
 
 def data_of(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
-    """The data sources (`data.<name>` fields) a step reads: DATA_OF's, where an online stage reads data.prompts
-    instead when it is set (and the preference pairs too for the ptx term's chosen responses)."""
-    if step not in DATA_OF:
+    """The data sources (`data.<name>` fields) a step reads: its declaration's, where an online stage reads
+    data.prompts instead when it is set (and the preference pairs too for the ptx term's chosen responses)."""
+    data = STAGES[step].data
+    if data is None:
         return ()
     if step in ALGORITHMS and step != "dpo" and cfg.data.prompts.path is not None:
         return ("prompts", "preference") if getattr(cfg.preference, step).ptx_coef else ("prompts",)
-    return (DATA_OF[step],)
+    return (data,)
 MANIFEST = "manifest.json"
 
 
@@ -54,15 +47,9 @@ def eval_step(stage: str) -> str:
     return f"eval-{stage}"
 
 
-def module_of(step: str) -> str:
-    """The stage module (gptforge.stages.<module>) that computes a step."""
-    return "evaluate" if step.startswith("eval-") else step
-
-
-def stage_entry(step: str):
-    """(run function, outputs) of a step's stage module."""
-    module = importlib.import_module(f"gptforge.stages.{module_of(step)}")
-    return module.run, module.OUTPUTS
+def stage_run(step: str):
+    """The run function of a step's stage module (imported: for running it in this process)."""
+    return importlib.import_module(f"gptforge.stages.{STAGES[step].module}").run
 
 
 def pipeline_steps(cfg: PipelineConfig) -> list[str]:
@@ -111,7 +98,7 @@ def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     drop = set() if cfg.pretrain.enabled else {"pretrain"}
     drop |= set() if cfg.trains_reward_model() else {"reward"}
     drop |= {"sft"} if step == "reward" and cfg.reward.pretrained and not cfg.reward.policy_samples else set()
-    return tuple(u for u in UPSTREAM[step] if u not in drop)
+    return tuple(u for u in STAGES[step].inputs if u not in drop)
 
 
 def lineage(cfg: PipelineConfig, step: str) -> list[str]:
@@ -143,7 +130,7 @@ def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[st
                 sources = [source_fingerprint(cfg.data, d, digest_cache(cfg)) for d in data_of(cfg, s)]
                 data = eval_fingerprint(cfg.data, s, digest_cache(cfg)) if s.startswith("eval-") else (
                     "|".join(sources) if sources else None)
-                identity = {"stage": s, "store_version": STORE_VERSION, "code_version": CODE_VERSIONS.get(s, 1),
+                identity = {"stage": s, "store_version": STORE_VERSION, "code_version": STAGES[s].code_version,
                             "config": stage_config(cfg, s), "inputs": {up: out[up] for up in upstream(cfg, s)},
                             "data": data}
                 base = base_model(cfg, s)
@@ -227,9 +214,8 @@ def complete(cfg: PipelineConfig, step: str, out_dir: Path, fingerprint: str, in
 
 def execute(cfg: PipelineConfig, step: str, run=None, outputs: dict[str, str] | None = None) -> dict:
     """Reuse a step's complete output, or run the step in this process (one rank of it under a launcher)
-    and record it complete (rank 0); return its manifest. `run` and `outputs` default to the stage module's."""
-    if run is None:
-        run, outputs = stage_entry(step)
+    and record it complete (rank 0); return its manifest. `run` and `outputs` default to the stage's."""
+    run, outputs = run or stage_run(step), outputs or STAGES[step].outputs
     out_dir, fingerprint, inputs = locate(cfg, step)
     manifest = read_manifest(out_dir)
     if manifest is not None:

@@ -19,14 +19,13 @@ from gptforge.data import loaders
 from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
-from gptforge.model.export import MODEL_OUTPUTS, export_trainer
+from gptforge.model.export import export_trainer
 from gptforge.model.hf_trainer import Checkpoints, TrainerGuard, TrainerMetrics, resume_point, trainer_kwargs
 from gptforge.model import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import exit_process, main
 
-OUTPUTS = MODEL_OUTPUTS
 
 
 def as_dataset(pairs: list[dict]):

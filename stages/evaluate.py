@@ -42,8 +42,8 @@ from gptforge.model import rewards
 from gptforge.model.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, start_model
 from gptforge.stages.cli import exit_process, main
+from gptforge.stages.registry import EVAL_OUTPUTS
 
-OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
@@ -99,11 +99,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                                                reward_tokenizer=reward_tokenizer, checks=checks,
                                                samples=cfg.eval.samples, **split, **cache)
     if rank == 0:
-        with open(out_dir / OUTPUTS["answers"], "w") as f:
+        with open(out_dir / EVAL_OUTPUTS["answers"], "w") as f:
             for it, row in zip(items, rows):
                 f.write(json.dumps({"prompt": it["prompt"], "answer": it["answer"], **row}) + "\n")
         for it, row in list(zip(items, rows))[:5]:
-            print(f"[eval] {it['prompt'][-1]['content']!r} -> {row['response']!r} (answer {it['answer']!r})", flush=True)
+            print(f"[eval] {it['prompt'][-1]['content']!r} -> {row['response']!r} (answer {it['answer']!r})",
+                  flush=True)
         if "kl_stderr" in metrics:
             print(f"[eval] KL to the SFT model: {metrics['kl']:.4f} ± {metrics['kl_stderr']:.4f} nats/response "
                   f"(standard error, {len(items)} items)", flush=True)
@@ -119,8 +120,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             torch.cuda.empty_cache()
         if rank == 0:
             metrics |= run_harness(model_dir, cfg.eval, str(device), "bfloat16" if config.get("bf16") else "float32",
-                                   out_dir / OUTPUTS["harness"], cfg.run.seed, items if held_out.demo else None, stops,
-                                   manager)
+                                   out_dir / EVAL_OUTPUTS["harness"], cfg.run.seed, items if held_out.demo else None,
+                                   stops, manager)
         barrier()
     return {**metrics, "eval_items": len(items)}
 

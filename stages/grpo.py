@@ -22,7 +22,7 @@ from gptforge.model.checkpoints import no_pickled_code
 from gptforge.model.distributed import barrier, setup_distributed
 from gptforge.model.engine import uses_bf16
 from gptforge.model.evaluate import policy_and_judge
-from gptforge.model.export import MODEL_OUTPUTS, export_trainer
+from gptforge.model.export import export_trainer
 from gptforge.model import rewards
 from gptforge.model.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask, prompts_dataset,
                                        resume_point, trainer_kwargs, use_reference, with_ptx)
@@ -30,7 +30,6 @@ from gptforge.model import sequence_parallel
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.cli import exit_process, main
 
-OUTPUTS = MODEL_OUTPUTS
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:

@@ -37,7 +37,7 @@ from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engi
 from gptforge.model import rewards
 from gptforge.model.evaluate import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
                                      same_vocabulary)
-from gptforge.model.export import MODEL_OUTPUTS, export_model, hf_tensor
+from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.guard import StepGuard
 from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
                                    ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
@@ -48,7 +48,6 @@ from gptforge.model.tiling import logit_tiles, token_logprobs
 from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
 from gptforge.stages.cli import exit_process, main
 
-OUTPUTS = MODEL_OUTPUTS
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, barrier, setup_distributed
 from gptforge.model.engine import (build_config, deepspeed_config, grad_norm, init_engine, partitioned, startup_oom,
                                    uses_bf16)
-from gptforge.model.export import MODEL_OUTPUTS, export_model
+from gptforge.model.export import export_model
 from gptforge.model.guard import StepGuard
 from gptforge.model.losses import router_loss
 from gptforge.model.metrics import MetricsLog, Throughput
@@ -38,7 +38,6 @@ from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
 from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 from gptforge.stages.cli import exit_process, main
 
-OUTPUTS = MODEL_OUTPUTS
 
 
 def load_data(tok_dir: Path, shard_dir: Path):

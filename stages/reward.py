@@ -31,7 +31,7 @@ from gptforge.model.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.evaluate import generate
-from gptforge.model.export import MODEL_OUTPUTS, export_model
+from gptforge.model.export import export_model
 from gptforge.model.guard import StepGuard
 from gptforge.model.losses import pairwise_reward_loss
 from gptforge.model.metrics import MetricsLog, Throughput
@@ -39,7 +39,6 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_dtype, model_dir, prepare_tokenizer
 from gptforge.stages.cli import exit_process, main
 
-OUTPUTS = MODEL_OUTPUTS
 
 
 def rewards(engine, pairs: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,6 @@ from gptforge.data.tokenizer import load_pretrained, save_hf, train_bpe
 from gptforge.model.pretrained import TOKENIZER_FILES, model_dir
 from gptforge.stages.cli import exit_process, main
 
-OUTPUTS = {"tokenizer": "tokenizer", "shards": "shards"}
 WARNINGS = 5  # bad rows named in the log (all are counted)
 
 

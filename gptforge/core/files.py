@@ -10,6 +10,10 @@ from pathlib import Path
 
 from gptforge.core.errors import storage_error
 
+# What a training stage's output holds: `model/` (adapters merged, where it trained any) and, for an adapter stage,
+# `adapter/` (the PEFT adapter alone); see gptforge.model.export.export_model.
+MODEL_OUTPUTS = {"model": "model", "adapter": "adapter"}
+
 
 def write_json_atomic(path: Path, obj) -> None:
     """Write JSON so that readers see the old file or the whole new one (write_text_atomic)."""
