@@ -61,7 +61,11 @@ def browser():
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,2400"):
+    # No GPU process (its software rasteriser kept a core busy while the pipelines trained) and none of Chromium's
+    # own network traffic (updates, sync, field trials), which a closed machine refuses at every start.
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,2400", "--disable-gpu",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+                "--disable-quic"):
         options.add_argument(arg)
     options.binary_location = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()),
                                    "chromium")

@@ -10,6 +10,7 @@ tokenize on a `cpu` pool and pretrain on a `gpu` pool, and a process worker for 
    both slots: the browser opens A's run page, finds the Resume button, opens the approval form (the metrics of
    tokenize in its description), ticks approve, writes a note and submits it;
 2. A's pretrain then waits for B's slots: the browser finds its stage run in the state `Waiting for slots`;
+   B's pretraining, which would run on for as long as it is left, is then cancelled, which gives the slots back;
 3. once A is done, its run page lists its child stage runs (tokenize and pretrain, on their pools).
 Saves approval-form.png, waiting-for-slots.png and child-runs.png to --out, and exits non-zero naming what was not
 seen.
@@ -31,7 +32,7 @@ from report_browser import api, browser, wait_healthy, workspace  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["sft.enabled=false", "reward.enabled=false", "preference.enabled=false", "pretrain.eval_every=100",
          "pretrain.seq_len=64", "pretrain.micro_batch_size=8", "pretrain.global_batch_size=16",
-         "data.demo.pretrain_docs=3000", "tokenizer.vocab_size=320", "model.n_layer=2",
+         "data.demo.pretrain_docs=1500", "tokenizer.vocab_size=320", "model.n_layer=2",
          "run.work_pools={tokenize: cpu, pretrain: gpu}", "run.default_work_pool=cpu"]
 
 
@@ -129,9 +130,9 @@ def main() -> int:
         print(f"Prefect UI at {ui}; pipelines A (gated before pretrain) and B start", flush=True)
         a = start("pipeline-a", gptforge + ["run", *config, *sets(*SMALL, f"run.root={work / 'a'}", "run.name=a",
                                                                     "run.approve_before=[pretrain]",
-                                                                    "pretrain.max_steps=60")])
+                                                                    "pretrain.max_steps=10")])
         b = start("pipeline-b", gptforge + ["run", *config, *sets(*SMALL, f"run.root={work / 'b'}", "run.name=b",
-                                                                    "pretrain.max_steps=3000")])
+                                                                    "pretrain.max_steps=100000")])
         paused = wait("A to pause at its gate", lambda: (r := pipeline_run(api_url, "a")) and
                       r["state_type"] == "PAUSED" and r, timeout=400)
         wait("B's pretrain to hold both slots", lambda: api(api_url, "/v2/concurrency_limits/gptforge-gpus")
@@ -150,7 +151,10 @@ def main() -> int:
             driver.get(f"{ui}/runs/flow-run/{waiting['id']}")
             seen["a stage shown waiting for slots"] = wait_text(driver, "Waiting for slots", timeout=30)
             driver.save_screenshot(str(out / "waiting-for-slots.png"))
-            a.wait(900)
+            (b_stage,) = [r for r in flow_runs(api_url, "gptforge-stage") if "gptforge-run:b" in r["tags"]
+                          and r["name"].startswith("pretrain")]
+            api(api_url, f"/flow_runs/{b_stage['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
+            a.wait(600)
             seen["A finished"] = a.returncode == 0
             driver.get(f"{ui}/runs/flow-run/{paused['id']}")
             driver.set_window_size(1400, 1600)
@@ -170,8 +174,9 @@ def main() -> int:
                 (out / "child-runs.html").write_text(driver.page_source)
         finally:
             driver.quit()
-        b.wait(900)
-        seen["B finished"] = b.returncode == 0
+        b.wait(120)
+        seen["B's pretraining cancelled"] = api(api_url, f"/flow_runs/{b_stage['id']}")["state_type"] == "CANCELLED"
+        seen["every slot given back"] = api(api_url, "/v2/concurrency_limits/gptforge-gpus")["active_slots"] == 0
         record = json.loads((work / "a" / "a" / "run.json").read_text())
         seen["the note reached run.json"] = record["stages"]["pretrain"].get("approval", {}).get("note") == \
             "tokens look right"

@@ -5,6 +5,7 @@ targets) are read from full runs, never asserted here. bench/gpu.sh: tests/test_
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,16 @@ def sets(overrides: list[str]) -> list[str]:
 def bench(script: str, *args: str, timeout: int = 900) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "SE_AVOID_STATS": "true"}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return proc.stdout
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # SIGINT: the bench's own `finally` stops the servers and workers it started
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"{script} ran past {timeout} s:\n{(stdout + stderr)[-4000:]}")
+    assert proc.returncode == 0, (stdout + stderr)[-4000:]
+    return stdout
 
 
 def test_tokenize_bench(tmp_path):
