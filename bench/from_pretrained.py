@@ -3,7 +3,7 @@
 embeddings grow and, under LoRA, their rows are trained), fine-tuned with LoRA and in full; held-out exact match of
 each against the base model prompted in the same format, in one run.
 
-    .venv/bin/python bench/from_pretrained.py [--sft-steps 1500] [--set k=v ...]
+    .venv/bin/python bench/from_pretrained.py [--sft-steps 1500] [--root DIR] [--set k=v ...]
 
 The pretraining is configs/tiny.yaml's (`make run`'s first two stages); SFT uses tiny.yaml's SFT settings, LoRA
 r=16 on all linear layers at a 4x larger learning rate. On 2 CPU cores it takes about 10 minutes.
@@ -54,9 +54,11 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--sft-steps", type=int, default=1500)
+    p.add_argument("--root", type=Path, help="the stage stores' folder (default: a new temporary one); a complete "
+                   "tokenize and pretrain of the same settings in <root>/demo is reused")
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="bench-from-pretrained-"))
+    root = args.root or Path(tempfile.mkdtemp(prefix="bench-from-pretrained-"))
     cfg, path = config(root / "demo", *args.set)
     pretrain = stages(cfg, path, ["tokenize", "pretrain"])["pretrain"]
     model = root / "demo-model"

@@ -1,7 +1,9 @@
 """Every script in bench/ runs, shrunk, so that none rots unseen: each is started as a user starts it, on a tiny
 model and a few steps, and must exit 0 and print the figure it exists for. The figures themselves (ratios against
-targets) are read from full runs, never asserted here. bench/gpu.sh: tests/test_infra.py."""
+targets) are read from full runs, never asserted here. bench/gpu.sh, and bench/pretrain.py within it:
+tests/test_infra.py."""
 
+import json
 import os
 import re
 import shutil
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SMALL
+from tests.helpers import FAST, UPSTREAM, copy_store
 
 pytestmark = pytest.mark.slow
 # Every stage a bench runs, a few steps on a one-layer model, one process.
@@ -22,6 +25,9 @@ SHRUNK = ["model.n_layer=1", "distributed.nproc_per_node=1", "pretrain.max_steps
 for _s in ("sft", "reward", "preference"):
     SHRUNK += [f"{_s}.max_steps=3", f"{_s}.save_every=100", f"{_s}.eval_every=3", f"{_s}.warmup_steps=1",
                f"{_s}.micro_batch_size=4", f"{_s}.global_batch_size=4"]
+# The session chain's settings (its stages reused from its store), one process and a few steps for what a bench adds.
+CHAINED = [*SMALL, *FAST, "distributed.nproc_per_node=1", "preference.algorithm=dpo", "preference.max_steps=3",
+           "preference.save_every=100", "preference.eval_every=3"]
 BROWSER = Path("/usr/bin/chromedriver").exists() and shutil.which("chromium") is not None
 
 
@@ -49,13 +55,6 @@ def test_tokenize_bench(tmp_path):
     assert re.search(r"ratio gptforge/baseline tokens/s: [\d.]+x \(target >= 1.5x\)", out), out
 
 
-def test_pretrain_bench(tmp_path):
-    out = bench("pretrain.py", "--steps", "8", "--repeats", "1", "--compile", "off",
-                *sets([f"run.root={tmp_path}", "model.n_layer=1", "pretrain.eval_every=100"]))
-    assert re.search(r"baseline \(1 process, plain PyTorch, eager\): +[\d,]+ tokens/s", out), out
-    assert re.search(r"ZeRO-\d, eager\): +[\d,]+ tokens/s .* ratio [\d.]+x", out), out
-
-
 def test_ppo_bench(chain):
     out = bench("ppo.py", "-c", str(chain["root"] / "pipeline.yaml"), "--prompts", "8", "--new-tokens", "4")
     assert re.search(r"ratio cache/no cache: [\d.]+x", out), out
@@ -72,18 +71,29 @@ def test_lora_bench():
     assert re.search(r"memory: LoRA / full = [\d.]+x", out) and "speed: gptforge LoRA / TRL SFTTrainer" in out, out
 
 
-def test_from_pretrained_bench():
-    out = bench("from_pretrained.py", "--sft-steps", "3", *sets(SHRUNK))
+def actions(run_dir: Path) -> dict[str, str]:
+    return {s: e["action"] for s, e in json.loads((run_dir / "run.json").read_text())["stages"].items()}
+
+
+def test_from_pretrained_bench(chain, tmp_path):
+    """On the session's pretrained model (its store copied: the bench's tokenize and pretrain are reused)."""
+    copy_store(chain["root"], tmp_path / "demo", "tokenize", "pretrain")
+    out = bench("from_pretrained.py", "--sft-steps", "3", "--root", str(tmp_path), *sets(CHAINED))
     assert re.search(r"lora SFT: +exact_match [\d.]+", out) and re.search(r"full SFT: +exact_match", out), out
+    assert f"val_loss {chain['pretrain'][0]['metrics']['val_loss']}" in out  # the session's pretrained model
 
 
-def test_demo_seeds_and_rlvr_benches(tmp_path):
-    """One store: bench/rlvr.py reuses the demo's tokenize and pretrain that bench/demo_seeds.py computed (its SFT
-    learns from its own demonstrations)."""
-    out = bench("demo_seeds.py", "--seeds", "0", "--root", str(tmp_path), *sets(SHRUNK))
+def test_demo_seeds_and_rlvr_benches(chain, tmp_path):
+    """One store, the session chain's: bench/demo_seeds.py reuses its tokenize, pretrain, SFT and reward model and
+    computes SFT's evaluation and DPO; bench/rlvr.py reuses tokenize and pretrain (its SFT learns from its own
+    demonstrations)."""
+    copy_store(chain["root"], tmp_path, *UPSTREAM)
+    out = bench("demo_seeds.py", "--seeds", "0", "--root", str(tmp_path), *sets(CHAINED))
     assert re.search(r"\| sft \| [\d.]+ \|", out) and "| dpo |" in out and "| reward accuracy |" in out, out
+    assert actions(tmp_path / "seed0") == {**dict.fromkeys(UPSTREAM, "reused"), "eval-sft": "computed",
+                                           "dpo": "computed", "eval-dpo": "computed"}
     out = bench("rlvr.py", "--seeds", "0", "--root", str(tmp_path), "--problems", "200",
-                "--demonstrations", "200", *sets(SHRUNK))
+                "--demonstrations", "200", *sets(CHAINED))
     assert re.search(r"  sft: +[\d.]+ ± nan\n  grpo: +[\d.]+ ± nan  gain over SFT [+-][\d.]+ ± nan points", out), out
     assert re.search(r"  ppo: +[\d.]+ ± nan  gain over SFT", out), out
 
