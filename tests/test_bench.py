@@ -18,13 +18,6 @@ from tests.conftest import ROOT, SMALL
 from tests.helpers import FAST, UPSTREAM, copy_store
 
 pytestmark = pytest.mark.slow
-# Every stage a bench runs, a few steps on a one-layer model, one process.
-SHRUNK = ["model.n_layer=1", "distributed.nproc_per_node=1", "pretrain.max_steps=4", "pretrain.save_every=100",
-          "pretrain.eval_every=4", "pretrain.eval_batches=1", "pretrain.warmup_steps=1", "eval.items=8",
-          "eval.batch_size=8", "reward.policy_samples=0", "preference.algorithm=dpo"]
-for _s in ("sft", "reward", "preference"):
-    SHRUNK += [f"{_s}.max_steps=3", f"{_s}.save_every=100", f"{_s}.eval_every=3", f"{_s}.warmup_steps=1",
-               f"{_s}.micro_batch_size=4", f"{_s}.global_batch_size=4"]
 # The session chain's settings (its stages reused from its store), one process and a few steps for what a bench adds.
 CHAINED = [*SMALL, *FAST, "distributed.nproc_per_node=1", "preference.algorithm=dpo", "preference.max_steps=3",
            "preference.save_every=100", "preference.eval_every=3"]
