@@ -112,6 +112,9 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
 
 
 _PROGRESS = re.compile(rb"(\d+)%\|")
+# A whole tqdm bar, "desc:  50%|#####     | 3/6 [00:01<00:01,  2.1it/s]": what a process prints after a redraw,
+# which ends without a newline (a warning, say), follows the bar's closing bracket on the same line.
+_BAR = re.compile(rb"\d+%\|[^|]*\|[^\]]*\]")
 
 
 def wait_listening(address: tuple[str, int], proc: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -175,6 +178,11 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
     def emit(n: int, raw: bytes) -> None:
         nonlocal last_progress
         if not raw.strip():
+            return
+        bar = _BAR.search(raw)
+        if bar and raw[bar.end():].strip():  # a line printed after the bar: never held back with it
+            emit(n, raw[:bar.end()])
+            emit(n, raw[bar.end():])
             return
         progress = _PROGRESS.search(raw)
         if progress:

@@ -147,7 +147,7 @@ def alive(p) -> bool:
 
 
 @pytest.mark.slow
-def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
+def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tokenized, tmp_path):
     """SIGKILL reaches no handler of `gptforge run`; its watchdogs stop the stage's ranks and the ephemeral Prefect
     server it started."""
     import os
@@ -158,10 +158,11 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
     import psutil
 
     from gptforge.pipeline.store import locate
-    from tests.helpers import config
+    from tests.helpers import config, copy_store
 
     cfg, path = config(tmp_path, "sft.enabled=false", "reward.enabled=false", "preference.enabled=false",
                        "pretrain.max_steps=100000", "pretrain.save_every=100000")
+    copy_store(tokenized, tmp_path, "tokenize")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(path)], env=env,
@@ -170,7 +171,7 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
     while not (locate(cfg, "pretrain")[0] / "logs").exists():  # the ranks are training
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()[-3000:]
         time.sleep(0.5)
-    time.sleep(3)
+    time.sleep(1)
     tree = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(" ".join(p.cmdline()) for p in tree if alive(p))
     assert "gptforge.stages.pretrain" in names and "uvicorn" in names  # the ranks and the ephemeral server
@@ -184,22 +185,42 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_pipelines_run_side_by_side_on_one_host(tmp_path):
-    """Two `gptforge run`s at once, each with its own run root: every stage's rendezvous takes a free port, so
-    neither collides with the other (a fixed 29500 made the second fail with EADDRINUSE)."""
+def test_two_pipelines_run_side_by_side_on_one_host(prefect_server, tokenized, tmp_path):
+    """Two `gptforge run`s at once, each with its own run root (their tokenize reused, so that their pretraining
+    starts at once), against the session's Prefect server: every stage's rendezvous takes a free port, so neither
+    collides with the other (a fixed 29500 made the second fail with EADDRINUSE)."""
     import os
     import subprocess
 
-    from tests.helpers import config
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.helpers import config, copy_store
 
     procs = []
     for name in ("a", "b"):
         _, path = config(tmp_path / name, "sft.enabled=false", "reward.enabled=false", "preference.enabled=false",
                          "pretrain.max_steps=12")
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        copy_store(tokenized, tmp_path / name, "tokenize")
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
         procs.append(subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(path)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=900)[0] for p in procs]
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-3000:]
         assert "run tiny finished" in out
+
+
+def test_a_line_printed_after_a_progress_bar_redraw_is_logged_whatever_the_bar_rate():
+    """tqdm redraws end without a newline: a warning printed right after one (rank 0's, between two redraws) shares
+    the bar's line. Redraws are logged at most every `progress_every` seconds; the warning always is, on its own."""
+    from gptforge.pipeline.launch import run_streaming
+
+    script = ("import sys\n"
+              "for i in range(3):\n"
+              "    sys.stderr.write(f'\\rsft:  {50 * i}%|##   | {i}/2 [00:00<00:00,  9.1it/s]')\n"
+              "    if i == 1:\n"
+              "        sys.stderr.write('warning: [sft] step 1: loss NaN/Inf on 1 of 2 rank(s); step skipped\\n')\n")
+    lines, progress = [], []
+    assert run_streaming([[sys.executable, "-c", script]], lines.append, on_progress=progress.append) == 0
+    assert "warning: [sft] step 1: loss NaN/Inf on 1 of 2 rank(s); step skipped" in lines
+    assert progress == [0.0, 100.0]  # the 50% redraw within 10 s of the first: held back
