@@ -109,6 +109,20 @@ def kill_after_checkpoint(cfg, path, stage, step: int) -> Path:
     return out_dir
 
 
+def as_killed(done: Path, out_dir: Path, after: str) -> Path:
+    """`out_dir` as a run of `done`'s stage would leave it had it been killed after its checkpoint `after` (a
+    folder name under checkpoints/): `done`'s output without its manifest, result and export, nor the checkpoints
+    after that one. (A real SIGKILL of a stage: test_pretrain.py, test_pretrained.py, the pipeline tests.)"""
+    def unfinished(folder, names):  # (a checkpoint holds a model/ of its own)
+        return {"manifest.json", "result.json", "model", "adapter"} & set(names) if Path(folder) == done else set()
+
+    shutil.copytree(done, out_dir, ignore=unfinished)
+    for ckpt in (out_dir / "checkpoints").iterdir():
+        if ckpt.is_dir() and ckpt.name > after:
+            shutil.rmtree(ckpt)
+    return out_dir
+
+
 def copy_store(src_root: Path, dst_root: Path, *stages):
     """Reuse finished upstream stages in another root (fingerprints do not depend on run.root)."""
     for stage in stages:

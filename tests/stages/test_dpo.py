@@ -54,17 +54,22 @@ def test_dpo_raises_the_chosen_over_the_rejected(chain, dpo):
     assert run.data.metrics["global_step"] == 6 and run.data.params["preference.algorithm"] == "dpo"
 
 
-def test_a_resumed_dpo_logs_each_step_once(chain, dpo, tmp_path):
-    """A DPO killed after logging its last steps, before its export: the rerun resumes from the newest Trainer
-    checkpoint (step 4; none is kept at the last step) and its log holds each step once."""
+def test_a_resumed_dpo_skips_a_corrupt_checkpoint_and_logs_each_step_once(chain, dpo, tmp_path):
+    """A DPO killed after logging its last steps, before its export, with a truncated file in its newest Trainer
+    checkpoint (step 4; none is kept at the last step): the rerun warns, resumes from the one before (step 2),
+    finishes, and its log holds each step once."""
     cfg, path = prepared(chain, tmp_path, *DPO)
     killed = locate(cfg, "dpo")[0]
     assert killed.name == dpo[1].name  # the same fingerprint in another root
     shutil.copytree(dpo[1], killed, ignore=shutil.ignore_patterns("manifest.json", "result.json", "model"))
     assert sorted(p.name for p in (killed / "checkpoints").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert [r["step"] for r in rows(killed) if "loss" in r] == [1, 2, 3, 4, 5, 6]
-    _, out_dir, out = run_stage(cfg, path, "dpo")
-    assert "[dpo] resumed from" in out and "checkpoint-4" in out
+    optim = next((killed / "checkpoints" / "checkpoint-4").rglob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:1000])
+    manifest, out_dir, out = run_stage(cfg, path, "dpo")
+    assert f"warning: skipping checkpoint {killed / 'checkpoints' / 'checkpoint-4'}: truncated" in out
+    assert f"[dpo] resumed from {killed / 'checkpoints' / 'checkpoint-2'}" in out
+    assert manifest["metrics"]["global_step"] == 6
     assert [r["step"] for r in rows(out_dir) if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
@@ -72,29 +77,20 @@ def rows(out_dir) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_corrupt_trainer_checkpoint_is_skipped_for_the_one_before(chain, dpo, tmp_path):
-    """A truncated file in the newest Trainer checkpoint: the rerun warns, resumes from the one before and
-    finishes."""
-    cfg, path = prepared(chain, tmp_path, *DPO)
-    killed = locate(cfg, "dpo")[0]
-    shutil.copytree(dpo[1], killed, ignore=shutil.ignore_patterns("manifest.json", "result.json", "model"))
-    optim = next((killed / "checkpoints" / "checkpoint-4").rglob("*optim_states.pt"))
-    optim.write_bytes(optim.read_bytes()[:1000])
-    manifest, _, out = run_stage(cfg, path, "dpo")
-    assert f"warning: skipping checkpoint {killed / 'checkpoints' / 'checkpoint-4'}: truncated" in out
-    assert f"[dpo] resumed from {killed / 'checkpoints' / 'checkpoint-2'}" in out
-    assert manifest["metrics"]["global_step"] == 6
-
-
 def test_two_local_nodes_train_dpo_as_one_node_with_two_processes(chain, dpo, tmp_path):
     """The TRL stage as 2 "nodes" x 1 process (an accelerate launch per node, machine ranks 0 and 1): the same
-    training as 1 node x 2 processes."""
+    training as 1 node x 2 processes. Its log interval (10) is longer than the run (6 steps): the last step is
+    logged all the same, with the mean loss of the six steps, and the run's loss and rate are reported."""
     cfg, path = prepared(chain, tmp_path, *DPO, "distributed.launcher=torchrun", "distributed.nnodes=2",
-                         "distributed.nproc_per_node=1")
+                         "distributed.nproc_per_node=1", "preference.log_every=10", "preference.save_every=10")
     manifest, out_dir, out = run_stage(cfg, path, "dpo")
+    m = manifest["metrics"]
     assert manifest["world_size"] == 2 and "[node 1]" in out
-    assert [r["loss"] for r in rows(out_dir) if "loss" in r] == pytest.approx(
-        [r["loss"] for r in rows(dpo[1]) if "loss" in r], abs=1e-3)
+    logged = [r for r in rows(out_dir) if "loss" in r]
+    assert [r["step"] for r in logged] == [6]
+    each_step = [r["loss"] for r in rows(dpo[1]) if "loss" in r]
+    assert logged[0]["loss"] == pytest.approx(sum(each_step) / len(each_step), abs=1e-3)
+    assert m["train_loss"] == pytest.approx(logged[0]["loss"]) and m["tokens_per_sec"] > 0
 
 
 def test_dpo_skips_bad_steps_and_rolls_back_through_its_callback(chain, tmp_path, monkeypatch):
@@ -116,12 +112,3 @@ def test_dpo_skips_bad_steps_and_rolls_back_through_its_callback(chain, tmp_path
     lr = {r["step"]: r["lr"] for r in rows(out_dir) if "lr" in r}
     assert lr[2] != lr[3] and lr[4] == lr[3]  # no scheduler step for the skipped step 3
     assert all(t.isfinite().all() for t in load_file(out_dir / "model" / "model.safetensors").values())
-
-
-def test_a_dpo_shorter_than_its_log_interval_reports_its_loss_and_rate(chain, tmp_path):
-    cfg, path = prepared(chain, tmp_path, *DPO, "preference.max_steps=5", "preference.log_every=10",
-                         "preference.save_every=10")
-    manifest, out_dir, _ = run_stage(cfg, path, "dpo")
-    m = manifest["metrics"]
-    assert [r["step"] for r in rows(out_dir) if "loss" in r] == [5]  # the last step is logged
-    assert m["train_loss"] == pytest.approx(rows(out_dir)[-1]["loss"]) and m["tokens_per_sec"] > 0

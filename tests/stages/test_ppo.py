@@ -1,6 +1,6 @@
 """Our PPO on 2 processes (ZeRO-2) on the tiny SFT policy and reward model: it trains and logs, resumes exactly
-after SIGKILL, skips NaN rewards and then fails keeping the last checkpoint, and can be rewarded by exact match
-alone, with no reward model."""
+from its step checkpoints, skips NaN rewards and then fails keeping the last checkpoint. (PPO rewarded by a check
+alone, with no reward model: test_rlvr.py.)"""
 
 import json
 
@@ -12,7 +12,7 @@ from gptforge.model.metrics import check_names
 from gptforge.pipeline.store import locate
 from gptforge.model.metrics import MEASURED
 from tests.conftest import PPO
-from tests.helpers import changed_from_sft, kill_after_checkpoint, launch, logged, logged_names, prepared, run_stage
+from tests.helpers import as_killed, changed_from_sft, launch, logged, logged_names, prepared, run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +27,20 @@ def test_ppo_trains_and_logs(chain, ppo):
         assert all(key in r for r in rows), key
     check_names(dict.fromkeys(logged_names(out_dir)))  # rewards/<label> among them
     assert {"rewards/exact_match", "rewards/reward_model"} <= logged_names(out_dir)  # tiny.yaml's rewards
+    # exact match is 1 for the item's answer, else 0: a step's mean over its 8 responses is a multiple of 1/8
+    assert all(abs(8 * m - round(8 * m)) < 1e-6 for m in logged(out_dir, "rewards/exact_match"))
     assert changed_from_sft(chain, out_dir)
 
 
-def test_ppo_sigkill_then_rerun_matches_uninterrupted(chain, ppo, tmp_path):
+def test_ppo_resumed_from_its_step_4_checkpoint_matches_uninterrupted(chain, ppo, tmp_path):
+    """The session's PPO as a run killed after its step-4 checkpoint (its output without manifest, result and
+    export; the SIGKILL itself: test_pretrain.py): the rerun resumes there and ends on the uninterrupted run's
+    metrics and rewards."""
     cfg, path = prepared(chain, tmp_path, *PPO)
-    kill_after_checkpoint(cfg, path, "ppo", step=4)
+    killed = as_killed(ppo[1], locate(cfg, "ppo")[0], "step-00000004")
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000004"]
     manifest, out_dir, out = run_stage(cfg, path, "ppo")
-    assert "[ppo] resumed from" in out
+    assert f"[ppo] resumed from {killed / 'checkpoints' / 'step-00000004'}" in out
     for key, value in manifest["metrics"].items():
         if key not in MEASURED:
             assert value == pytest.approx(ppo[0]["metrics"][key], abs=1e-6), key
@@ -57,18 +63,6 @@ def test_ppo_nan_rewards_are_skipped_rolled_back_then_fail_keeping_the_last_chec
     out_dir = locate(cfg, "ppo")[0]
     assert newest_valid_checkpoint(out_dir / "checkpoints") == out_dir / "checkpoints" / "step-00000002"
     assert not (out_dir / "manifest.json").exists() and not (out_dir / "result.json").exists()
-
-
-def test_ppo_rewarded_by_exact_match_alone_needs_no_reward_model(chain, tmp_path):
-    """With exact_match the only reward, PPO reads no reward stage (its critic is the SFT model with a new value
-    head) and a reward is 1 for the item's answer, else 0: a step's mean over 8 responses is a multiple of 1/8."""
-    cfg, path = prepared(chain, tmp_path, *PPO, "preference.max_steps=3", "preference.save_every=10",
-                         "preference.rewards=[{name: exact_match}]")
-    manifest, out_dir, _ = run_stage(cfg, path, "ppo")
-    assert manifest["inputs"].keys() == {"sft"}
-    means = logged(out_dir, "reward_mean")
-    assert len(means) == 3 and means == pytest.approx(logged(out_dir, "rewards/exact_match"))
-    assert all(abs(8 * m - round(8 * m)) < 1e-6 for m in means), means
 
 
 def test_ppo_critic_starts_as_the_weighed_reward_model(chain):

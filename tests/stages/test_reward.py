@@ -1,5 +1,6 @@
 """Real 2-process reward-model training (ZeRO-3) on the tiny SFT model: better than chance on held-out pairs,
-exported as a sequence classifier that loads without gptforge, exact resume after SIGKILL, every pair format."""
+exported as a sequence classifier that loads without gptforge, exact resume from its step checkpoints, every pair
+format."""
 
 import json
 import subprocess
@@ -8,7 +9,8 @@ import sys
 import pytest
 
 from gptforge.model.metrics import MEASURED
-from tests.helpers import config, copy_store, kill_after_checkpoint, logged, run_stage
+from gptforge.pipeline.store import locate
+from tests.helpers import as_killed, config, copy_store, logged, run_stage
 
 pytestmark = pytest.mark.slow
 ZEROS = ["distributed.zero_stage=3"]
@@ -29,12 +31,14 @@ def test_reward_model_exports_a_sequence_classifier(chain, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_sigkill_then_rerun_matches_uninterrupted(chain, tmp_path):
+def test_killed_then_rerun_matches_uninterrupted(chain, tmp_path):
+    """The session's reward model as a run killed after its step-10 checkpoint: the rerun ends on the uninterrupted
+    run."""
     cfg, path = config(tmp_path, *ZEROS)
     copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
-    kill_after_checkpoint(cfg, path, "reward", step=10)
+    killed = as_killed(chain["reward"][1], locate(cfg, "reward")[0], "step-00000010")
     manifest, out_dir, out = run_stage(cfg, path, "reward")
-    assert "[reward] resumed from" in out
+    assert f"[reward] resumed from {killed / 'checkpoints' / 'step-00000010'}" in out
     want = chain["reward"][0]["metrics"]
     for key, value in manifest["metrics"].items():
         if key not in MEASURED:
@@ -46,33 +50,26 @@ def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_reward_model_learns_a_preference_it_can_see(chain, tmp_path):
-    """Pairs whose rejected response is always a refusal: held out (every 20th row), the trained reward model
-    must rank them as the data does. (The demo's held-out pairs need more training than a test affords.)"""
-    pairs = tmp_path / "pairs.jsonl"
-    write_jsonl(pairs, [{"prompt": f"What is {i} plus {j}?", "chosen": str(i + j), "rejected": "I do not know."}
-                        for i in range(12) for j in range(10)])
-    cfg, path = config(tmp_path, *ZEROS, f"data.preference={pairs}", "reward.policy_samples=0")
-    copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
-    m = run_stage(cfg, path, "reward")[0]["metrics"]
-    assert m["reward_accuracy"] >= 0.8 and m["reward_margin"] > 0.5, m  # 6 held-out pairs; chance is 0.5 and 0
-
-
-def test_every_preference_format_through_reward(chain, tmp_path):
+def test_reward_model_reads_every_pair_format_and_learns_a_preference_it_can_see(chain, tmp_path):
+    """Pairs whose rejected response is always a refusal, in every format a preference file can take (flat, message
+    lists, HH transcripts; one pair whose two answers are the same, which is skipped): held out (every 20th row),
+    the trained reward model must rank them as the data does. (The demo's held-out pairs need more training than a
+    test affords.)"""
     data = tmp_path / "pairs"
     data.mkdir()
-    q = [(f"What is {i} plus 2?", str(i + 2), str(i + 3)) for i in range(20)]
-    write_jsonl(data / "flat.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in q[:8]]
-                + [{"prompt": "same", "chosen": "x", "rejected": "x"}])
+    q = [(f"What is {i} plus {j}?", str(i + j), "I do not know.") for i in range(14) for j in range(10)]
+
     def turns(p, a):
         return [{"role": "user", "content": p}, {"role": "assistant", "content": a}]
 
-    write_jsonl(data / "ultra.jsonl", [{"chosen": turns(p, c), "rejected": turns(p, r)} for p, c, r in q[8:14]])
+    write_jsonl(data / "flat.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in q[:100]]
+                + [{"prompt": "same", "chosen": "x", "rejected": "x"}])
+    write_jsonl(data / "ultra.jsonl", [{"chosen": turns(p, c), "rejected": turns(p, r)} for p, c, r in q[100:120]])
     write_jsonl(data / "hh.jsonl", [{"chosen": f"\n\nHuman: {p}\n\nAssistant: {c}",
-                                     "rejected": f"\n\nHuman: {p}\n\nAssistant: {r}"} for p, c, r in q[14:]])
-    cfg, path = config(tmp_path, *ZEROS, f"data.preference={data}", "reward.max_steps=4", "reward.save_every=100",
+                                     "rejected": f"\n\nHuman: {p}\n\nAssistant: {r}"} for p, c, r in q[120:]])
+    cfg, path = config(tmp_path, *ZEROS, f"data.preference={data}", "reward.save_every=100",
                        "reward.policy_samples=0")  # (the demo verifier labels policy samples)
     copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
-    manifest, _, _ = run_stage(cfg, path, "reward")
-    m = manifest["metrics"]
-    assert m["skipped_identical"] == 1 and m["global_step"] == 4
+    m = run_stage(cfg, path, "reward")[0]["metrics"]
+    assert m["skipped_identical"] == 1 and m["global_step"] == 20
+    assert m["reward_accuracy"] >= 0.8 and m["reward_margin"] > 0.5, m  # 7 held-out pairs; chance is 0.5 and 0

@@ -1,5 +1,5 @@
 """Real 2-process SFT (ZeRO-3) on a tiny pretrained model: it learns the held-out conversations, exports a model
-that loads without gptforge, resumes exactly after SIGKILL, and reads every chat format."""
+that loads without gptforge, resumes exactly from its step checkpoints, and reads every chat format."""
 
 import json
 
@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from gptforge.model.metrics import MEASURED
-from tests.helpers import config, copy_store, kill_after_checkpoint, logged, run_stage
+from gptforge.pipeline.store import locate
+from tests.helpers import as_killed, config, copy_store, logged, run_stage
 
 pytestmark = pytest.mark.slow
 ZEROS = ["distributed.zero_stage=3"]
@@ -30,12 +31,13 @@ def test_sft_trains_and_exports(chain):
     assert any(not torch.equal(base[k], tuned[k]) for k in base)
 
 
-def test_sigkill_then_rerun_matches_uninterrupted(chain, tmp_path):
+def test_killed_then_rerun_matches_uninterrupted(chain, tmp_path):
+    """The session's SFT as a run killed after its step-10 checkpoint: the rerun ends on the uninterrupted run."""
     cfg, path = config(tmp_path, *ZEROS)
     copy_store(chain["root"], tmp_path, "tokenize", "pretrain")
-    kill_after_checkpoint(cfg, path, "sft", step=10)
+    killed = as_killed(chain["sft"][1], locate(cfg, "sft")[0], "step-00000010")
     manifest, out_dir, out = run_stage(cfg, path, "sft")
-    assert "[sft] resumed from" in out
+    assert f"[sft] resumed from {killed / 'checkpoints' / 'step-00000010'}" in out
     want = chain["sft"][0]["metrics"]
     for key, value in manifest["metrics"].items():
         if key not in MEASURED:
