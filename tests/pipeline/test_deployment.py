@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gptforge.pipeline.store import locate
-from tests.helpers import config
+from tests.helpers import config, copy_store
 
 pytestmark = pytest.mark.slow
 DEPLOYMENT = "gptforge-pipeline/gptforge-test"
@@ -39,7 +39,8 @@ def served(prefect_server, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("served")
     cfg, path = config(root, *PIPE)
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    # the runner looks for scheduled runs every second (its default: 10 s, which each run here would wait for)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     log = open(root / "serve.log", "w")  # a pipe nobody reads would fill up and block the server
     cmd = [sys.executable, "-m", "gptforge.pipeline.cli", "serve", "-c", str(path), "--name", "gptforge-test"]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -110,25 +111,34 @@ def test_run_with_custom_parameters_then_reuse(served, tmp_path):
         run_dir(cfg, second).name in status.stdout and "2 complete" in status.stdout
 
 
-def test_config_typo_fails_before_any_stage(served, tmp_path):
+def test_config_typo_is_refused_before_any_run(served, tmp_path):
+    """The deployment enforces the config's schema (every section forbids unknown keys): the server refuses a run
+    whose parameters hold a misspelt key, naming it, and nothing runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import PrefectHTTPStatusError
+
     cfg, _ = config(tmp_path, *PIPE)
     params = json.loads(json.dumps(cfg.model_dump(mode="json")))
     params["pretrain"]["lrr"] = 1.0
-    from prefect.deployments import run_deployment
-
-    try:
-        state = wait(run_deployment(DEPLOYMENT, parameters={"config": params}, timeout=0), timeout=120)
-        assert state.is_failed()
-    except Exception as e:  # the server refuses parameters that do not match the schema
-        assert "lrr" in str(e) or "extra" in str(e).lower()
+    with get_client(sync_client=True) as client:
+        before = len(client.read_flow_runs())
+    with pytest.raises(PrefectHTTPStatusError) as refused:
+        run_deployment(DEPLOYMENT, parameters={"config": params}, timeout=0)
+    assert refused.value.response.status_code == 409 and "'lrr' was unexpected" in str(refused.value)
+    with get_client(sync_client=True) as client:
+        assert len(client.read_flow_runs()) == before
     assert not (Path(cfg.run.root) / "store").exists()
 
 
-def test_cancel_kills_every_stage_process(served, tmp_path):
+def test_cancel_kills_every_stage_process(served, tokenized, tmp_path):
+    """The stage runs in a task thread of the served flow's process (on a worker: test_team.py's cancel test), and
+    the flow's cancellation kills its process group."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
     cfg, _ = config(tmp_path, *PIPE, "pretrain.max_steps=100000", "pretrain.save_every=100000")
+    copy_store(tokenized, tmp_path, "tokenize")
     run = start(cfg)
     marker = str(tmp_path)
     deadline = time.time() + 300
@@ -136,7 +146,9 @@ def test_cancel_kills_every_stage_process(served, tmp_path):
                   for p in stage_pids(marker) if Path(f"/proc/{p}").exists()):
         assert time.time() < deadline, "pretrain never started"
         time.sleep(0.5)
-    time.sleep(5)  # let the ranks get into training
+    while not (locate(cfg, "pretrain")[0] / "logs").is_dir():  # the ranks are in training
+        assert time.time() < deadline, "pretrain never trained"
+        time.sleep(0.5)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run.id, Cancelling(), force=True)
     deadline = time.time() + 60
@@ -148,9 +160,10 @@ def test_cancel_kills_every_stage_process(served, tmp_path):
     assert run_json(cfg, run)["stages"]["pretrain"]["status"] == "cancelled"
 
 
-def test_killed_stage_is_resumed_by_the_retry(served, tmp_path):
+def test_killed_stage_is_resumed_by_the_retry(served, tokenized, tmp_path):
     cfg, _ = config(tmp_path, *PIPE, "pretrain.max_steps=60", "pretrain.save_every=10", "run.retries=1",
                     "run.retry_delay=0")
+    copy_store(tokenized, tmp_path, "tokenize")
     run = start(cfg)
     ckpt = locate(cfg, "pretrain")[0] / "checkpoints" / "step-00000010" / "complete.json"
     deadline = time.time() + 300

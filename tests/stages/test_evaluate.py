@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from gptforge.data.loaders import VAL_EVERY
+from gptforge.model.evaluate import verify, win_rate
 from gptforge.pipeline.store import locate
 from tests.conftest import DPO, ROOT
 from tests.data.test_eval_set import user_files
@@ -32,8 +33,11 @@ def test_sft_evaluation(eval_sft):
     m = manifest["metrics"]
     rows = answers(out_dir)
     assert m["eval_items"] == len(rows) == cfg.eval.items
-    assert m["exact_match"] == pytest.approx(sum(r["response"] == r["answer"] for r in rows) / len(rows))
-    assert 0 <= m["base_exact_match"] <= 1 and manifest["inputs"].keys() == {"sft", "pretrain"}
+    # both figures recomputed from each item's two answers
+    assert m["exact_match"] == pytest.approx(sum(verify([r["response"]], [r["answer"]])[0] for r in rows) / len(rows))
+    assert m["base_exact_match"] == pytest.approx(
+        sum(verify([r["base_response"]], [r["answer"]])[0] for r in rows) / len(rows))
+    assert manifest["inputs"].keys() == {"sft", "pretrain"}
     # lm-evaluation-harness on the demo's held-out items as a local task: the stage's own answers and exact match
     samples = [json.loads(line) for line in (out_dir / "harness/samples/gptforge_demo.jsonl").read_text().splitlines()]
     assert [s["filtered_resps"][0] for s in sorted(samples, key=lambda s: s["doc_id"])] == [r["response"] for r in rows]
@@ -78,7 +82,12 @@ def test_preference_evaluation_on_the_users_pairs(chain, dpo, tmp_path):
     prompts = {json.loads(line)["prompt"] for line in list(open(files["preference"]))[::VAL_EVERY]}
     assert {r["prompt"][0]["content"] for r in rows} == prompts and m["eval_items"] == len(prompts)
     assert {"win_rate_vs_sft", "reward_mean", "sft_reward_mean", "kl"} <= m.keys()
-    assert not {"exact_match", "sft_exact_match"} & m.keys() and 0 <= m["win_rate_vs_sft"] <= 1
+    assert not {"exact_match", "sft_exact_match"} & m.keys()
+    # the judge's figures recomputed from each item's two answers and their scores
+    assert m["win_rate_vs_sft"] == pytest.approx(win_rate(*zip(*[(r["response"], r["sft_response"], r["score"],
+                                                                  r["sft_score"]) for r in rows])))
+    assert m["reward_mean"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
+    assert m["sft_reward_mean"] == pytest.approx(sum(r["sft_score"] for r in rows) / len(rows))
 
 
 def test_changing_what_is_evaluated_reruns_the_evaluation_only(chain, eval_sft, tmp_path):

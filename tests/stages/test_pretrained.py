@@ -8,12 +8,15 @@
   LoRA SFT keeps what it learned in pretraining and reaches held-out exact match well above the base.
 """
 
+import json
+import re
 import shutil
 
 import pytest
 import torch
 
 from gptforge.model.checkpoints import no_pickled_code
+from gptforge.model.evaluate import win_rate
 from gptforge.model.metrics import MEASURED
 from tests import hub_models
 from tests.helpers import config, kill_after_checkpoint, logged, run_stage, tokenize_in_process
@@ -61,8 +64,11 @@ def test_lora_from_a_hub_model_under_zero3_through_every_stage(llama3_hub, monke
     assert sft["inputs"] == {} and sft["outputs"] == {"model": "model", "adapter": "adapter"}
     assert sft["metrics"]["val_loss"] < sft["metrics"]["base_val_loss"] - 0.2
     outputs_agree(sft_dir, src, AutoModelForCausalLM)  # the adapter was gathered whole before it was saved
-    reward, reward_dir, _ = run_stage(cfg, path, "reward")
-    assert 0 <= reward["metrics"]["reward_accuracy"] <= 1
+    reward, reward_dir, out = run_stage(cfg, path, "reward")
+    held_out = int(re.search(r"\[reward\] \d+ pairs, (\d+) held out", out).group(1))
+    accuracy = reward["metrics"]["reward_accuracy"]  # the share of held-out pairs ranked right, at the last step
+    assert accuracy * held_out == pytest.approx(round(accuracy * held_out), abs=1e-4)
+    assert accuracy == pytest.approx(logged(reward_dir, "reward_accuracy")[-1])
     outputs_agree(reward_dir, sft_dir / "model", AutoModelForSequenceClassification, num_labels=1)
     dirs = {}
     for algorithm in ("dpo", "ppo", "grpo"):
@@ -167,7 +173,10 @@ def test_named_roles_from_models_with_other_tokenizers(tmp_path):
     assert ppo["inputs"].keys() == {"sft"} and ppo["metrics"]["global_step"] == 4
     scores = logged(ppo_dir, "rewards/reward_model")
     assert scores and all(s == s for s in scores)  # scored through the judge's own tokenizer, finite
-    report, _, _ = run_stage(cfg, path, "eval-ppo")
-    assert report["inputs"].keys() == {"ppo", "sft"} and 0 <= report["metrics"]["win_rate_vs_sft"] <= 1
+    report, report_dir, _ = run_stage(cfg, path, "eval-ppo")
+    assert report["inputs"].keys() == {"ppo", "sft"}
+    rows = [json.loads(line) for line in (report_dir / "answers.jsonl").read_text().splitlines()]
+    assert report["metrics"]["win_rate_vs_sft"] == pytest.approx(win_rate(*zip(*[
+        (r["response"], r["sft_response"], r["score"], r["sft_score"]) for r in rows])))  # judged as recorded
     grpo, grpo_dir, _ = run_stage(cfg, path, "grpo")  # TRL's trainer: the judge through its own tokenizer too, and
     assert grpo["metrics"]["global_step"] == 4 and logged(grpo_dir, "rewards/reward_model")  # the named reference
