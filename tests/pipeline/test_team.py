@@ -47,7 +47,9 @@ class Team:
         self.url = f"http://127.0.0.1:{port}/api"
         self.env = {**os.environ, "PREFECT_HOME": str(root / "prefect-home"), "PREFECT_API_URL": self.url,
                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
-                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30", "PREFECT_LOGGING_LEVEL": "INFO"}
+                    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30", "PREFECT_LOGGING_LEVEL": "INFO",
+                    # a busy SQLite server answers 503 at times: every client (workers, deploy, runs) tries again
+                    "PREFECT_CLIENT_RETRY_EXTRA_CODES": "503"}
         self.start("server", PREFECT + ["server", "start", "--host", "127.0.0.1", "--port", str(port)])
         wait_for(self.healthy, 240, "the Prefect server")
 
@@ -141,11 +143,14 @@ def record(cfg) -> dict:
     return json.loads((Path(cfg.run.root) / cfg.run.name / "run.json").read_text())
 
 
-def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tmp_path):
-    """tokenize on `cpu`, pretrain on `gpu`, as child flow runs of the pipeline's. SIGKILL the pipeline's flow
-    process while pretrain trains: pretrain trains on, a rerun joins it rather than starting a second copy or failing
-    on its lock, and the killed run is marked Crashed by the automation once its heartbeats stop."""
-    cfg, path = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=80", "pretrain.save_every=10", "run.name=pools")
+def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tokenized, tmp_path):
+    """pretrain on `gpu`, as a child flow run of the pipeline's (tokenize reused; computed on `cpu`: the approval
+    test). SIGKILL the pipeline's flow process while pretrain trains: pretrain trains on, a rerun joins it rather
+    than starting a second copy or failing on its lock, and the killed run is marked Crashed by the automation once
+    its heartbeats stop."""
+    cfg, path = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=200", "pretrain.save_every=10",
+                       "run.name=pools")  # 190 steps after the kill: longer than the rerun takes to reach pretrain
+    copy_store(tokenized, tmp_path, "tokenize")
     first = team.start("pools-first", GPTFORGE + ["run", "-c", str(path)])
     ckpt = locate(cfg, "pretrain")[0] / "checkpoints" / "step-00000010" / "complete.json"
     wait_for(lambda: ckpt.exists() or first.poll() is not None, 400, "pretrain's first checkpoint")
@@ -159,16 +164,16 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tmp_path):
         again = team.gptforge("run", "-c", str(path))
         assert "joining flow run" in again.stdout + again.stderr
         runs = stage_runs(client, "pools")
-        assert len(runs["pretrain"]) == 1 and len(runs["tokenize"]) == 1  # nothing ran twice
+        assert runs.keys() == {"pretrain"} and len(runs["pretrain"]) == 1  # nothing ran twice (tokenize: reused)
         pools = {step: client.read_flow_run(r[0].id) for step, r in runs.items()}
-        assert {s: r.work_pool_name for s, r in pools.items()} == {"tokenize": "cpu", "pretrain": "gpu"}
+        assert {s: r.work_pool_name for s, r in pools.items()} == {"pretrain": "gpu"}
         assert all(r.state.is_completed() and r.parent_task_run_id is not None for r in pools.values())
     stages = record(cfg)["stages"]
-    assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 80
+    assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 200
     team.killed_pipeline = killed.id  # checked Crashed at the end of this module (three heartbeats later)
 
 
-def test_cancelling_the_pipeline_cancels_its_stage_runs(team, tmp_path):
+def test_cancelling_the_pipeline_cancels_its_stage_runs(team, tokenized, tmp_path):
     """A run of the deployed pipeline on the cpu worker: cancelled while pretrain trains on the gpu worker, its
     stage run is cancelled too and pretrain's processes are gone within seconds."""
     from prefect.deployments import run_deployment
@@ -176,6 +181,7 @@ def test_cancelling_the_pipeline_cancels_its_stage_runs(team, tmp_path):
 
     from tests.pipeline.test_deployment import stage_pids
 
+    copy_store(tokenized, tmp_path, "tokenize")
     cfg, _ = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=100000", "pretrain.save_every=100000",
                     "run.name=cancelled")
     with team.api() as client:
@@ -202,14 +208,16 @@ def overlap(a: dict, b: dict) -> bool:
     return a[start] < b[end] and b[start] < a[end]
 
 
-def test_two_pipelines_share_two_slots_without_overlapping(team, tmp_path):
+def test_two_pipelines_share_two_slots_without_overlapping(team, tokenized, tmp_path):
     """Two pipelines of one config in two roots against the server, one in its own process, one with its stages on
-    the pools. Each pretraining takes both slots (2 processes), so one waits, showing `Waiting for slots` as the
-    state of its flow run, and neither fails."""
+    the pools, their tokenize reused. Each pretraining takes both slots (2 processes) for long enough that the other
+    reaches its own, so one waits, showing `Waiting for slots` as the state of its flow run, and neither fails."""
     runs = {"slots-a": [], "slots-b": POOLS}
     cfgs, procs = {}, {}
     for name, extra in runs.items():
-        cfg, path = config(tmp_path / name, *PIPE, *extra, f"run.name={name}")
+        cfg, path = config(tmp_path / name, *PIPE, *extra, f"run.name={name}", "pretrain.max_steps=150",
+                           "pretrain.save_every=1000")
+        copy_store(tokenized, tmp_path / name, "tokenize")
         cfgs[name], procs[name] = cfg, team.start(name, GPTFORGE + ["run", "-c", str(path)])
     seen = set()
     with team.api() as client:
@@ -229,15 +237,17 @@ def test_two_pipelines_share_two_slots_without_overlapping(team, tmp_path):
 
 
 def test_approval_gate_approved_then_rejected(team, tmp_path):
-    """`run.approve_before: [pretrain]`, the stages on the pools: the flow pauses after tokenize, holding no slot;
-    approved through the API it goes on without recomputing tokenize; rejected, the run ends Cancelled with the note
+    """`run.approve_before: [pretrain]`, the stages on the pools: tokenize computes on `cpu` as a child flow run of
+    the pipeline's, then the flow pauses, holding no slot; approved through the API it goes on without recomputing
+    tokenize; rejected, the run ends Cancelled with the note
     in run.json and report. (The two runs have the same fingerprints in two roots: each computes its own root's
     outputs, neither joins the other's stage runs.)"""
     from prefect.client.schemas.objects import StateType
 
     cfgs, procs = {}, {}
     for name in ("approved", "rejected"):
-        cfg, path = config(tmp_path / name, *PIPE, *POOLS, f"run.name={name}", "run.approve_before=[pretrain]")
+        cfg, path = config(tmp_path / name, *PIPE, *POOLS, f"run.name={name}", "run.approve_before=[pretrain]",
+                           "pretrain.max_steps=6")
         cfgs[name] = cfg
         procs[name] = team.start(name, GPTFORGE + ["run", "-c", str(path)])
     with team.api() as client:
@@ -250,6 +260,9 @@ def test_approval_gate_approved_then_rejected(team, tmp_path):
         for proc in procs.values():
             proc.wait(400)
         states = {n: client.read_flow_run(r.id).state for n, r in paused.items()}
+        (tokenize,) = stage_runs(client, "approved")["tokenize"]
+        tokenize = client.read_flow_run(tokenize.id)
+        assert tokenize.work_pool_name == "cpu" and tokenize.state.is_completed() and tokenize.parent_task_run_id
     assert procs["approved"].returncode == 0 and states["approved"].is_completed(), team.log("approved")
     ok = record(cfgs["approved"])["stages"]
     assert ok["tokenize"]["action"] == "computed" and ok["pretrain"]["status"] == "complete"
@@ -280,9 +293,10 @@ def test_a_changed_sft_file_starts_one_run_that_recomputes_from_sft(team, chain,
     data = tmp_path / "chats.jsonl"
     data.write_text(chats(64))
     cfg, path = config(tmp_path, "reward.enabled=false", "preference.enabled=false", f"data.sft={data}",
-                       "run.name=watched", "run.watch_every=86400")
+                       "run.name=watched", "run.watch_every=86400", "sft.max_steps=4")
     copy_store(chain["root"], tmp_path, "tokenize", "pretrain")
-    team.start("serve", GPTFORGE + ["serve", "-c", str(path), "--name", "watch-test"])
+    team.start("serve", GPTFORGE + ["serve", "-c", str(path), "--name", "watch-test"],  # its runner polls each second
+               env={**team.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"})
     with team.api() as client:
         wait_for(lambda: any(d.name == "watch-test" for d in client.read_deployments()), 120, "the served deployment")
         (deployment,) = [d for d in client.read_deployments() if d.name == "watch-test" and d.flow_id == next(
@@ -305,7 +319,7 @@ def test_a_changed_sft_file_starts_one_run_that_recomputes_from_sft(team, chain,
         wait_for(lambda: client.read_flow_run(run.id).state.is_final(), 600, "the triggered run to end")
         assert client.read_flow_run(run.id).state.is_completed(), team.log("serve")
         assert check() == "nothing changed"
-        time.sleep(10)
+        time.sleep(3)  # (the runner polls every second: a run started by the check would be there by now)
         assert len(pipeline_runs()) == 1  # nothing new, no run
     (run_dir,) = Path(cfg.run.root).glob("watched-*")
     actions = {s: i["action"] for s, i in json.loads((run_dir / "run.json").read_text())["stages"].items()}
