@@ -102,7 +102,7 @@ def return_freed_memory(threshold: int = 8 << 20) -> None:
     Each such allocation gets fresh zeroed pages, a tax that at 1 MiB took 14% of a ZeRO-3 CPU step
     (bench/pretrain.py --set distributed.zero_stage=3: 9.1k tokens/s against 10.5k without); at 8 MiB, what a
     layer's gathered matrices and ZeRO's buckets are, it is within noise (10.7k) and the peak stays bounded (2.35
-    GiB, tests/stages/test_zero3.py). Only ZeRO-3 asks for it (gptforge.model.engine.zero_config)."""
+    GiB, bench/zero3.py). Only ZeRO-3 asks for it (gptforge.model.engine.zero_config)."""
     import ctypes
 
     try:

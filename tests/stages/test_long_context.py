@@ -1,60 +1,11 @@
-"""Longer context through the stages: a model pretrained at 64 tokens, its context extended to 256 with YaRN by
-continued pretraining (against the same model with its context merely raised), and sequence parallelism and tiled
-logits in pretrain, SFT and PPO against their plain runs."""
+"""Longer context through the stages: sequence parallelism and tiled logits in pretrain, SFT, DPO, GRPO, RLOO and PPO
+against their plain runs. (YaRN's context extension: bench/yarn.py, run shrunk by tests/test_bench.py.)"""
 
-import json
 import shutil
 
 import pytest
-import torch
 
-from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_from, tokenize_in_process
-
-# A Llama 3-style base (RoPE base 500000) trained well at 64 tokens: its slow rotary dimensions never turn past what
-# 64 positions show them, which plain extrapolation to 256 then gets wrong, and YaRN interpolates. Here YaRN ends at
-# 1.171 against 1.221. (With 60 steps and base 10000, extrapolation held up as well as YaRN: 1.748 against 1.755.)
-SHORT = ["model.preset=llama-tiny", "model.n_positions=64", "model.rope_theta=500000", "pretrain.seq_len=64",
-         "pretrain.max_steps=400", "pretrain.save_every=1000", "pretrain.eval_every=400", "pretrain.log_every=50",
-         "pretrain.lr=3e-3", "pretrain.warmup_steps=10", "distributed.nproc_per_node=1",
-         "pretrain.global_batch_size=16", "pretrain.micro_batch_size=16"]
-LONG = ["pretrain.seq_len=256", "pretrain.max_steps=12", "pretrain.warmup_steps=0", "pretrain.micro_batch_size=4",
-        "pretrain.global_batch_size=4", "pretrain.eval_every=12", "pretrain.eval_batches=4", "pretrain.log_every=1",
-        "pretrain.lr=5e-4", "pretrain.min_lr=5e-4", "distributed.nproc_per_node=1"]
-
-
-def test_yarn_extends_a_64_token_model_to_256_better_than_raising_its_context(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cfg, path = config(tmp_path / "short", *SHORT)
-    tokenize_in_process(cfg)
-    _, short_dir, _ = run_stage(cfg, path, "pretrain")
-    base = short_dir / "model"
-    raised = shutil.copytree(base, tmp_path / "raised-model")  # no scaling: the context raised by hand
-    conf = json.loads((raised / "config.json").read_text())
-    (raised / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 256}))
-
-    results = {}
-    for name, model, extra in (("yarn", base, ["model.rope={type: yarn, factor: 4}"]), ("raised", raised, [])):
-        cfg, path = config(tmp_path / name, f"model.pretrained={model}", *LONG, *extra)
-        tokenize_in_process(cfg)
-        results[name] = run_stage(cfg, path, "pretrain")
-    yarn, raised_run = results["yarn"][0]["metrics"], results["raised"][0]["metrics"]
-    print(f"val loss at 256 tokens after 12 steps: YaRN {yarn['val_loss']:.4f}, raised {raised_run['val_loss']:.4f}")
-    assert yarn["val_loss"] < raised_run["val_loss"] - 0.03, (yarn, raised_run)
-
-    # The exported config carries the scaling: from_pretrained alone reproduces it, and generates past 64 tokens.
-    out = results["yarn"][1] / "model"
-    model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert model.config.rope_parameters["rope_type"] == "yarn" and model.config.rope_parameters["factor"] == 4
-    assert model.config.rope_parameters["original_max_position_embeddings"] == 64
-    assert model.config.rope_parameters["rope_theta"] == 500000 and model.config.max_position_embeddings == 256
-    tok = AutoTokenizer.from_pretrained(out)
-    ids = tok(" ".join(["the cat sat on the mat."] * 12), return_tensors="pt").input_ids[:, :60]
-    with torch.no_grad():
-        gen = model.generate(ids, max_new_tokens=120, min_new_tokens=120, do_sample=False)
-        logits = model(gen).logits
-    assert gen.shape[1] == 180 and torch.isfinite(logits).all()
-
+from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_from
 
 SP = ["model.preset=llama-tiny", "pretrain.seq_len=128", "pretrain.max_steps=6", "pretrain.log_every=1",
       "pretrain.eval_every=6", "pretrain.save_every=100", "pretrain.micro_batch_size=4",
@@ -107,7 +58,6 @@ def test_sequence_parallel_dpo_gives_the_data_parallel_loss_and_weights(chain, d
     joined) against the 2-rank data-parallel DPO of the same pairs: under ZeRO-3 from the start, the same loss,
     gradient norms (not 2x) and exported weights; under ZeRO-2 resumed from the data-parallel run's step-4
     checkpoint, the same last two steps and weights (the batches it skips are the ones that run took)."""
-    import shutil
 
     from safetensors.torch import load_file
 

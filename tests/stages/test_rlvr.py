@@ -1,9 +1,10 @@
 """Verifiable rewards end to end: a tiny model from elsewhere is fine-tuned on the user's demonstrations of the
-demo's successor task, 60% of which slip one too high, then GRPO (TRL) and our PPO, rewarded by math_equal alone on
-a GSM8K-shaped file of the same problems (`#### n` answers), with no reward model and so no reward stage, raise the
-held-out accuracy the SFT model had. PPO is also given the user's own function from a module in the working folder
-and a reward server on 127.0.0.1 (at weight 0, so that math_equal alone moves it): each is called from the launched
-processes, logged by name, and scores the evaluation.
+demo's successor task, 60% of which slip one too high, then our PPO, rewarded by math_equal alone on a GSM8K-shaped
+file of the same problems (`#### n` answers), with no reward model and so no reward stage, raises the held-out
+accuracy the SFT model had. PPO is also given the user's own function from a module in the working folder and a
+reward server on 127.0.0.1 (at weight 0, so that math_equal alone moves it): each is called from the launched
+processes, logged by name, and scores the evaluation. (GRPO rewarded the same way, and both over 3 seeds:
+bench/rlvr.py, run shrunk by tests/test_bench.py.)
 
 The model's chat template puts the answer right after the number that ends the question, so that a 2-layer model
 learns the task within the suite's time (a lookup at the last position; attending back to an operand takes it far
@@ -82,7 +83,7 @@ def write_task(tmp_path):
     return problems, demos
 
 
-def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, monkeypatch):
+def test_ppo_rewarded_by_math_equal_raises_held_out_accuracy(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def brevity(prompts, responses, answers, **row):\n"
         "    assert set(row) == {'task'}, row  # the file's other column\n"
@@ -91,37 +92,33 @@ def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, m
     problems, demos = write_task(tmp_path)
     base = successor_model(tmp_path / "base")
     common = [*STEPS, f"model.pretrained={base}", f"data.sft={demos}", f"data.prompts={problems}",
-              "preference.algorithm=[grpo,ppo]"]
+              "preference.algorithm=ppo"]
     server = RewardServer()
+    rewards = [{"name": "math_equal"}, {"name": "my_rewards:brevity", "weight": 0.0},
+               {"url": server.url, "name": "remote", "weight": 0.0}]
     try:
-        cfg, path = config(tmp_path / "runs", *common, "preference.rewards=[{name: math_equal}]")
-        assert pipeline_stages(cfg) == ["sft", "grpo", "ppo"]  # no reward stage (and nothing to pretrain)
+        cfg, path = config(tmp_path / "runs", *common, f"preference.rewards={json.dumps(rewards)}")
+        assert pipeline_stages(cfg) == ["sft", "ppo"]  # no reward stage (and nothing to pretrain)
         assert "reward" not in pipeline_steps(cfg)
         run_stage(cfg, path, "sft")
-        _, grpo_dir, _ = run_stage(cfg, path, "grpo")
-        grpo, eval_dir, _ = run_stage(cfg, path, "eval-grpo")
-        rewards = [{"name": "math_equal"}, {"name": "my_rewards:brevity", "weight": 0.0},
-                   {"url": server.url, "name": "remote", "weight": 0.0}]
-        cfg, path = config(tmp_path / "runs", *common, f"preference.rewards={json.dumps(rewards)}")
-        ppo_manifest, ppo_dir, _ = run_stage(cfg, path, "ppo")  # the same SFT: rewards are not in its fingerprint
-        ppo = run_stage(cfg, path, "eval-ppo")[0]["metrics"]
+        ppo_manifest, ppo_dir, _ = run_stage(cfg, path, "ppo")
+        ppo, eval_dir, _ = run_stage(cfg, path, "eval-ppo")
     finally:
         server.close()
     assert ppo_manifest["inputs"].keys() == {"sft"}
-    assert logged(grpo_dir, "rewards/math_equal") == pytest.approx(logged(grpo_dir, "reward_mean"), abs=1e-6)
 
     # the held-out accuracy is math_equal on the greedy answers the evaluation wrote, against the file's #### answers
     rows = [json.loads(line) for line in (eval_dir / "answers.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and rows[0]["answer"] == answer_of(problems, rows[0]["prompt"])
     right = rewards_module.math_equal(None, [r["response"] for r in rows], [r["answer"] for r in rows])
-    m = grpo["metrics"]
+    m = ppo["metrics"]
     assert m["accuracy/math_equal"] == pytest.approx(sum(right) / len(rows), abs=1e-6)
+    sft_right = rewards_module.math_equal(None, [r["sft_response"] for r in rows], [r["answer"] for r in rows])
+    assert m["sft_accuracy/math_equal"] == pytest.approx(sum(sft_right) / len(rows), abs=1e-6)
     # The SFT model copied the slip: its greedy answer is mostly one too high. The checker alone raised held-out
-    # accuracy, in GRPO and in PPO (here 0.15 -> 0.65 and 0.95; 20 items, so 0.25 is 5 more right answers)
+    # accuracy (here 0.15 -> 0.95; 20 items, so 0.25 is 5 more right answers)
     assert m["sft_accuracy/math_equal"] <= 0.5
     assert m["accuracy/math_equal"] >= m["sft_accuracy/math_equal"] + 0.25
-    assert ppo["sft_accuracy/math_equal"] == m["sft_accuracy/math_equal"]
-    assert ppo["accuracy/math_equal"] >= ppo["sft_accuracy/math_equal"] + 0.25
     # SFT's samples found the right answer where its greedy one slipped: pass@3 above greedy accuracy
     assert all(abs(20 * m[k] - round(20 * m[k])) < 1e-6 for k in ("pass@3/math_equal", "sft_pass@3/math_equal"))
     assert m["sft_pass@3/math_equal"] > m["sft_accuracy/math_equal"]
@@ -133,7 +130,9 @@ def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, m
         (ppo_dir / "logs" / "metrics.jsonl").read_text().splitlines()[-1]))
     assert all(b < 0 for b in logged(ppo_dir, "rewards/brevity"))  # minus the length of every response
     assert logged(ppo_dir, "reward_mean") == pytest.approx(logged(ppo_dir, "rewards/math_equal"), abs=1e-6)  # weight 0
-    assert ppo["accuracy/remote"] > 0 and ppo["accuracy/brevity"] < 0
+    # the server scores len(response), brevity minus it: both evaluations are the policy's mean answer length
+    length = sum(len(r["response"]) for r in rows) / len(rows)
+    assert m["accuracy/remote"] == pytest.approx(length) and m["accuracy/brevity"] == pytest.approx(-length)
 
 
 def answer_of(problems, prompt) -> str:

@@ -72,7 +72,23 @@ def test_a_bad_row_fails_the_stage_when_asked(small_cfg, corpus):
         execute(small_cfg(f"data.pretrain={path}", "data.on_bad_row=fail"), "tokenize")
 
 
-def test_bpe_trains_on_a_sample_drawn_across_the_whole_corpus(small_cfg, tmp_path, capsys):
+@pytest.fixture
+def units_in_this_process(monkeypatch):
+    """The stage's units encoded in this process rather than on a local Ray instance (a few seconds to start, and
+    not what these tests are about; the Ray path: test_a_ray_cluster_writes_the_same_shards_as_the_local_instance,
+    and test_listening.py)."""
+    from contextlib import contextmanager
+
+    from gptforge.data.parallel import in_process
+
+    @contextmanager
+    def here(address, workers, units):
+        yield in_process
+
+    monkeypatch.setattr(tokenize, "engine", here)
+
+
+def test_bpe_trains_on_a_sample_drawn_across_the_whole_corpus(small_cfg, tmp_path, capsys, units_in_this_process):
     """Two files, each of words the other lacks: a sample of a tenth of the corpus still holds both."""
     for name, words in (("a.txt", "ant bee cat"), ("z.txt", "xylophone yak zebra")):
         (tmp_path / name).write_text("".join(f"{words} {i}\n" for i in range(2000)))
@@ -86,7 +102,7 @@ def test_bpe_trains_on_a_sample_drawn_across_the_whole_corpus(small_cfg, tmp_pat
         assert len(tok.tokenize(word)) == 1, word
 
 
-def test_a_killed_stage_reruns_only_its_unfinished_units(small_cfg, tmp_path):
+def test_a_killed_stage_reruns_only_its_unfinished_units(small_cfg, tmp_path, units_in_this_process):
     for k in range(4):
         (tmp_path / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"document {k} {i} " * 3}) + "\n"
                                                          for i in range(300)))
