@@ -43,6 +43,8 @@ def test_the_walk_sees_an_upward_import(tmp_path):
 
 
 def test_a_stage_runs_from_a_folder_with_its_own_model_and_data(small_cfg, tmp_path):
+    """`gptforge stage tokenize` (no Prefect) from a folder whose model.py and data/ would shadow gptforge's if its
+    layers were importable by those names; run again, it reuses its complete output."""
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     for shadow in (work / "model.py", work / "pipeline.py", work / "stages.py", work / "data" / "__init__.py"):
@@ -53,3 +55,6 @@ def test_a_stage_runs_from_a_folder_with_its_own_model_and_data(small_cfg, tmp_p
                           cwd=work, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokenize" in proc.stdout and "imported the user" not in proc.stderr
+    again = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "stage", "tokenize", "-c", "pipeline.yaml"],
+                           cwd=work, capture_output=True, text=True)
+    assert again.returncode == 0 and "reusing complete output" in again.stdout, again.stderr[-3000:]

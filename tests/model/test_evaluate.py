@@ -9,7 +9,7 @@ from gptforge.data.tokenizer import save_hf, train_bpe
 from gptforge.model.build import build_model, hf_config
 from gptforge.model.evaluate import (answers, check_same_vocabulary, preference_report, reference_metrics, rouge_l,
                                      score_references, stop_ids, verify, win_rate)
-from gptforge.model.harness import check_tasks, run_harness
+from gptforge.model.harness import run_harness
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -108,7 +108,8 @@ def test_the_references_decide_which_metrics_are_computed():
 def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(tokenizer, tmp_path, monkeypatch):
     """lm-evaluation-harness on the demo task (a YAML over a local JSONL) gives the greedy answers of our own
     generation, answer for answer, and their exact match. Beside a task of the user's own (eval.harness_include),
-    the tasks are indexed once: the index `check_tasks` built serves the run."""
+    the tasks are indexed once: the index `check_tasks` built serves the run. A misspelt task is one error naming
+    the closest (checked on the same index: building one takes seconds)."""
     import yaml
 
     from gptforge.core.config import load_config
@@ -143,7 +144,7 @@ def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(to
                       "harness/my_sums/exact_match/strip": expected} and expected >= 0.1
     assert (tmp_path / "harness" / "gptforge_demo.yaml").is_file()
 
-
-def test_an_unknown_harness_task_names_the_closest(small_cfg):
+    monkeypatch.setattr(harness, "task_manager", lambda *a, **k: manager)
+    misspelt = load_config(TINY, ["eval.harness_tasks=[gptforge_demo,arc_easy,hellaswg]"])
     with pytest.raises(UserError, match="no task 'hellaswg'; closest: hellaswag"):
-        check_tasks(small_cfg("eval.harness_tasks=[gptforge_demo,arc_easy,hellaswg]").eval)
+        harness.check_tasks(misspelt.eval)

@@ -1,5 +1,5 @@
-import subprocess
-import sys
+import contextlib
+import io
 from dataclasses import replace
 
 import pytest
@@ -9,7 +9,18 @@ from gptforge.core.config import load_config
 from gptforge.core.presets import PRESETS
 from gptforge.model.build import build_model
 from gptforge.model.plan import GiB, LongContext, activation_bytes, make_plan
-from tests.conftest import ROOT
+from tests.conftest import TINY
+
+
+def gptforge_plan(*args: str) -> str:
+    """What `gptforge plan -c configs/tiny.yaml ARGS` prints (the command, in this process: it only loads the
+    config, plans and prints)."""
+    from gptforge.pipeline.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "-c", str(TINY), *args]) == 0
+    return out.getvalue()
 
 
 def test_gpt3_175b_against_the_paper():
@@ -91,14 +102,12 @@ def test_a_llama2_70b_shape_from_overrides():
 
 def test_plan_command_states_its_verdict_and_assumptions():
     def plan(gpus):
-        proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--set", "model.preset=gpt3-175b",
-                               "--set", "model.n_positions=2048", "--set", "pretrain.seq_len=2048",
-                               "--set", "pretrain.micro_batch_size=1", "--set", "pretrain.global_batch_size=1024",
-                               "--set", "distributed.activation_checkpointing=true", "--gpus", str(gpus),
-                               "--gpu-mem", "80", "--tokens", "300e9"], capture_output=True, text=True, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr
+        out = gptforge_plan("--set", "model.preset=gpt3-175b", "--set", "model.n_positions=2048", "--set",
+                            "pretrain.seq_len=2048", "--set", "pretrain.micro_batch_size=1", "--set",
+                            "pretrain.global_batch_size=1024", "--set", "distributed.activation_checkpointing=true",
+                            "--gpus", str(gpus), "--gpu-mem", "80", "--tokens", "300e9")
         return {line.split()[0] + (" offload" if "offload" in line else ""): line
-                for line in proc.stdout.splitlines() if line.startswith("  ZeRO")}, proc.stdout
+                for line in out.splitlines() if line.startswith("  ZeRO")}, out
 
     rows, out = plan(1024)
     assert "174.6" in out and "days" in out and "(n_positions=2048)" in out.splitlines()[0]
@@ -147,12 +156,10 @@ def test_a_pretrained_models_lora_run_is_planned_from_its_config_json(tmp_path):
     assert p.memory[(3, False)][0] < p.memory[(2, False)][0] < 0.5 * full.memory[(2, False)][0]
     four_bit = make_plan(arch_of(config), 32000, 1024, 1, 8, config=config, lora=LoraSection(r=16, quantize=4))
     assert four_bit.memory[(2, False)][0] == pytest.approx(0.5 * p.n_params + 2 * adapters + 18 * adapters / 8)
-    out = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--set",
-                          f"model.pretrained={tmp_path / 'llama-2-7b'}", "--set", "sft.lora.r=16", "--stage", "sft",
-                          "--gpus", "8"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "llama-2-7b, sft with LoRA r=16: 6.738B parameters" in out.stdout
-    assert f"ZeRO-2{'':15s} {p.memory[(2, False)][0] / GiB:10.1f}" in out.stdout
+    out = gptforge_plan("--set", f"model.pretrained={tmp_path / 'llama-2-7b'}", "--set", "sft.lora.r=16", "--stage",
+                        "sft", "--gpus", "8")
+    assert "llama-2-7b, sft with LoRA r=16: 6.738B parameters" in out
+    assert f"ZeRO-2{'':15s} {p.memory[(2, False)][0] / GiB:10.1f}" in out
 
 
 LONG = ["model.preset=llama-7b", "pretrain.seq_len=131072", "model.rope={type: yarn, factor: 32}",
@@ -161,11 +168,7 @@ LONG = ["model.preset=llama-7b", "pretrain.seq_len=131072", "model.rope={type: y
 
 
 def plan_of(*overrides):
-    out = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "plan", "--gpus", "8",
-                          *[a for o in (*LONG, *overrides) for a in ("--set", o)]],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    return gptforge_plan("--gpus", "8", *[a for o in (*LONG, *overrides) for a in ("--set", o)])
 
 
 def test_the_planner_divides_activations_by_the_sequence_parallel_ranks_and_counts_tiled_logits():

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gptforge.core.config import dump_config
 from gptforge.pipeline.flow import pipeline_flow
 
@@ -24,6 +26,13 @@ async def artifacts():
 
 
 def test_flow_runs_then_reuses_and_reports(prefect_server, small_cfg, tmp_path):
+    """The flow computes, then reuses, and reports in the UI; `--from` recomputes, removing a stage's output under
+    the stage's lock only: a run refused by the lock (another run is writing it) has deleted nothing."""
+    import fcntl
+
+    from gptforge.core.errors import UserError
+    from gptforge.pipeline.store import locate, read_manifest
+
     cfg = small_cfg(*ONLY_TOKENIZE)
     first = pipeline_flow(config=cfg)
     run_dir = tmp_path / "runs" / "tiny"
@@ -45,15 +54,12 @@ def test_flow_runs_then_reuses_and_reports(prefect_server, small_cfg, tmp_path):
     pipeline_flow(config=cfg, from_stage="tokenize")  # --from recomputes
     record = json.loads((run_dir / "run.json").read_text())
     assert record["stages"]["tokenize"]["action"] == "computed"
-
-
-def test_stage_command_without_prefect(small_cfg, tmp_path):
-    path = write_cfg(small_cfg(), tmp_path)
-    cmd = [sys.executable, "-m", "gptforge.pipeline.cli", "stage", "tokenize", "-c", path]
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert "reusing complete output" in again.stdout
+    out_dir = locate(cfg, "tokenize")[0]
+    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:  # another run is writing it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.raises(UserError, match="another run is writing"):
+            pipeline_flow(config=cfg, from_stage="tokenize")
+    assert read_manifest(out_dir) is not None  # nothing was removed
 
 
 def test_missing_data_file_is_one_line(small_cfg, tmp_path):
@@ -62,23 +68,3 @@ def test_missing_data_file_is_one_line(small_cfg, tmp_path):
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"error: file not found: {tmp_path / 'missing.txt'}"
-
-
-def test_from_never_removes_an_output_another_run_is_writing(prefect_server, small_cfg):
-    """`--from` removes a stage's output under the stage's lock: a second run, refused by the lock, has deleted
-    nothing of the first's."""
-    import fcntl
-
-    import pytest
-
-    from gptforge.core.errors import UserError
-    from gptforge.pipeline.store import locate, read_manifest
-
-    cfg = small_cfg(*ONLY_TOKENIZE)
-    pipeline_flow(config=cfg)
-    out_dir = locate(cfg, "tokenize")[0]
-    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:  # another run is writing it
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        with pytest.raises(UserError, match="another run is writing"):
-            pipeline_flow(config=cfg, from_stage="tokenize")
-    assert read_manifest(out_dir) is not None  # nothing was removed
