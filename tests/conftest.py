@@ -9,6 +9,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
+import fcntl  # noqa: E402
+import pickle  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -41,6 +43,32 @@ def prefect_server():
         yield
 
 
+def once(tmp_path_factory, name: str, build):
+    """A session fixture's value, built once for the whole run: under pytest-xdist (`make test` runs two workers)
+    the first worker to ask builds it under a lock in the folder the workers share, and the other waits for it and
+    loads it. Without xdist, built here."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build()
+    shared = tmp_path_factory.getbasetemp().parent
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        value = shared / f"{name}.pickle"
+        if value.exists():
+            return pickle.loads(value.read_bytes())
+        out = build()
+        value.write_bytes(pickle.dumps(out))
+        return out
+
+
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A folder for a session fixture: one for the whole run under xdist (see `once`)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.mktemp(name)
+    d = tmp_path_factory.getbasetemp().parent / name
+    d.mkdir(exist_ok=True)
+    return d
+
+
 @pytest.fixture(scope="session")
 def tokenized(tmp_path_factory) -> Path:
     """The root of the session's stage store, holding the demo's tokenize output under the tests' config: the chain
@@ -48,31 +76,37 @@ def tokenized(tmp_path_factory) -> Path:
     (tests.helpers.tokenize_from)."""
     from tests.helpers import config, tokenize_in_process
 
-    root = tmp_path_factory.mktemp("chain")
-    tokenize_in_process(config(root)[0])
-    return root
+    def build():
+        root = shared_dir(tmp_path_factory, "chain")
+        tokenize_in_process(config(root)[0])
+        return root
+
+    return once(tmp_path_factory, "tokenized", build)
 
 
 @pytest.fixture(scope="session")
-def pretrained(tokenized):
+def pretrained(tmp_path_factory, tokenized):
     """pretrain (ZeRO-2, a real 2-process run) on the session's tokenize output: (manifest, out_dir, output)."""
     from tests.helpers import config, run_stage
 
     cfg, path = config(tokenized, "distributed.zero_stage=2")
-    return run_stage(cfg, path, "pretrain")
+    return once(tmp_path_factory, "pretrained", lambda: run_stage(cfg, path, "pretrain"))
 
 
 @pytest.fixture(scope="session")
-def chain(tokenized, pretrained):
+def chain(tmp_path_factory, tokenized, pretrained):
     """tokenize -> pretrain (ZeRO-2) -> sft -> reward (ZeRO-3), uninterrupted, real 2-process runs, in one root
     shared by the stage tests: {"root": Path, stage: (manifest, out_dir, output)}."""
     from tests.helpers import config, run_stage
 
-    out = {"root": tokenized, "pretrain": pretrained}
-    cfg, path = config(tokenized, "distributed.zero_stage=3")  # ZeRO is not part of the fingerprints
-    out["sft"] = run_stage(cfg, path, "sft")
-    out["reward"] = run_stage(cfg, path, "reward")
-    return out
+    def build():
+        out = {"root": tokenized, "pretrain": pretrained}
+        cfg, path = config(tokenized, "distributed.zero_stage=3")  # ZeRO is not part of the fingerprints
+        out["sft"] = run_stage(cfg, path, "sft")
+        out["reward"] = run_stage(cfg, path, "reward")
+        return out
+
+    return once(tmp_path_factory, "chain", build)
 
 
 DPO = ["preference.algorithm=dpo", "distributed.zero_stage=2", "preference.max_steps=6", "preference.lr=5e-4",
@@ -84,8 +118,11 @@ def dpo(chain, tmp_path_factory):
     """DPO (TRL, ZeRO-2, 2 processes) on the chain's SFT policy: (manifest, out_dir, output, cfg, path)."""
     from tests.helpers import prepared, run_stage
 
-    cfg, path = prepared(chain, tmp_path_factory.mktemp("dpo"), *DPO)
-    return (*run_stage(cfg, path, "dpo"), cfg, path)
+    def build():
+        cfg, path = prepared(chain, shared_dir(tmp_path_factory, "dpo"), *DPO)
+        return (*run_stage(cfg, path, "dpo"), cfg, path)
+
+    return once(tmp_path_factory, "dpo", build)
 
 
 PPO = ["preference.algorithm=ppo", "distributed.zero_stage=2", "preference.max_steps=6",
@@ -97,5 +134,8 @@ def ppo(chain, tmp_path_factory):
     """Our PPO (ZeRO-2, 2 processes) on the chain's SFT policy and reward model: (manifest, out_dir, output)."""
     from tests.helpers import prepared, run_stage
 
-    cfg, path = prepared(chain, tmp_path_factory.mktemp("ppo"), *PPO)
-    return run_stage(cfg, path, "ppo")
+    def build():
+        cfg, path = prepared(chain, shared_dir(tmp_path_factory, "ppo"), *PPO)
+        return run_stage(cfg, path, "ppo")
+
+    return once(tmp_path_factory, "ppo", build)

@@ -90,7 +90,7 @@ def test_a_hung_rank_ends_the_stage_within_its_timeout_naming_the_rank(tokenized
     assert "distributed.timeout_minutes=1" in errors[0]
     assert ended - hung < 120
     left = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.info["pid"] not in before
-            and "gptforge.stages.pretrain" in " ".join(p.info["cmdline"] or [])]
+            and "gptforge.stages.pretrain" in (cmd := " ".join(p.info["cmdline"] or [])) and str(tmp_path) in cmd]
     assert not left, left
 
     monkeypatch.delenv("GPTFORGE_FAULTS")
