@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -36,11 +37,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def api(url: str, path: str, body: dict | None = None):
+def api(url: str, path: str, body: dict | None = None, tries: int = 6):
+    """One call of the Prefect server's REST API; a busy server's 503 (its database locked) is retried, as
+    Prefect's own client does."""
     request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
+    for attempt in range(tries):
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or attempt == tries - 1:
+                raise
+            time.sleep(2 ** attempt)
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 180) -> None:

@@ -73,6 +73,16 @@ def wait_text(driver, needle: str, timeout: float = 60) -> bool:
     return False
 
 
+def poll(predicate, timeout: float, every: float = 0.5):
+    """The predicate's first true value within `timeout` seconds, else False."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    return False
+
+
 def click_text(driver, text: str, tags: str = "button") -> bool:
     """Click the first visible element of `tags` whose text is `text`."""
     return driver.execute_script(
@@ -89,19 +99,24 @@ def approve_in_the_form(driver, ui: str, api_url: str, run: dict, out: Path, see
     seen["form describes the gate"] = wait_text(driver, "Start pretrain", timeout=30)
     seen["form shows tokenize's metrics"] = "tokens" in page_text(driver)
     driver.save_screenshot(str(out / "approval-form.png"))
-    ticked = driver.execute_script(
-        "const box = [...document.querySelectorAll('input[type=checkbox], [role=switch], [role=checkbox]')]"
-        ".find(e => e.offsetParent !== null); if (box) { box.click(); return true } return false")
-    typed = driver.execute_script(
-        "const area = [...document.querySelectorAll('textarea, input[type=text]')].find(e => e.offsetParent !== null);"
-        " if (!area) return false; const set = Object.getOwnPropertyDescriptor(Object.getPrototypeOf(area), 'value')"
-        ".set; set.call(area, 'tokens look right'); area.dispatchEvent(new Event('input', {bubbles: true}));"
-        " return true")
-    submitted = bool(ticked and typed and click_text(driver, "Submit"))
-    deadline = time.time() + 30
-    while submitted and time.time() < deadline and api(api_url, f"/flow_runs/{run['id']}")["state_type"] == "PAUSED":
-        time.sleep(1)
-    seen["approved in the browser"] = submitted and api(api_url, f"/flow_runs/{run['id']}")["state_type"] != "PAUSED"
+    # the form's fields render after its description: each step is retried until its element is there
+    steps = {
+        "the approve switch": "const box = [...document.querySelectorAll('input[type=checkbox], [role=switch], "
+        "[role=checkbox]')].find(e => e.offsetParent !== null); if (box) { box.click(); return true } return false",
+        "the note": "const area = [...document.querySelectorAll('textarea, input[type=text]')].find(e => "
+        "e.offsetParent !== null); if (!area) return false; const set = Object.getOwnPropertyDescriptor("
+        "Object.getPrototypeOf(area), 'value').set; set.call(area, 'tokens look right'); "
+        "area.dispatchEvent(new Event('input', {bubbles: true})); return true",
+    }
+    for what, script in steps.items():
+        if not poll(lambda: driver.execute_script(script), 30):  # noqa: B023 (called at once)
+            print(f"the approval form has no {what}", flush=True)
+            return
+    submitted = poll(lambda: click_text(driver, "Submit"), 30)
+    if not submitted:
+        print("the approval form has no Submit button", flush=True)
+    seen["approved in the browser"] = bool(submitted and poll(
+        lambda: api(api_url, f"/flow_runs/{run['id']}")["state_type"] != "PAUSED", 60, every=1))
 
 
 def main() -> int:
@@ -142,6 +157,7 @@ def main() -> int:
             approve_in_the_form(driver, ui, api_url, paused, out, seen)
             if not seen.get("approved in the browser"):
                 print("the form could not be filled in; approving through the API", flush=True)
+                (out / "approval-form.html").write_text(driver.page_source)
                 api(api_url, f"/flow_runs/{paused['id']}/resume",
                     {"run_input": {"approve": True, "note": "tokens look right"}})
             # B's pretrain holds both slots: A's, approved, waits for them

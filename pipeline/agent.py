@@ -7,25 +7,40 @@ with the environment a launcher gives them, and waits for them.
 Why a launcher of our own: a stage's ranks should start at once. The deepspeed launcher imports DeepSpeed in its
 runner and again in its per-node `launch.py` (about 5 s of CPU before any rank starts), and torchrun's agent imports
 torch and starts its workers in sessions of their own, where killing the stage's process group misses them. This
-agent imports nothing but the standard library, keeps its ranks in its own process group, and hosts nothing: the
-ranks join the TCPStore that the pipeline hosts at master_addr:master_port as its clients
-(`TORCHELASTIC_USE_AGENT_STORE`, as ranks of torchrun's agent do), so no node's hostname decides where they meet.
+agent imports nothing but the standard library and the stage itself (warm ranks, below), keeps its ranks in its own
+process group, and hosts nothing: the ranks join the TCPStore that the pipeline hosts at master_addr:master_port as
+its clients (`TORCHELASTIC_USE_AGENT_STORE`, as ranks of torchrun's agent do), so no node's hostname decides where
+they meet.
 
 Each rank gets what torchrun's workers get (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT), DeepSpeed's names for the same (CROSS_RANK, CROSS_SIZE, LOCAL_SIZE), and OMP_NUM_THREADS=1 where
 several share a node and it is unset (as torchrun does; gptforge.model.train.distributed gives each its share of the
 cores). The first rank that fails ends the others (SIGTERM, then SIGKILL after a grace period) and the agent exits
 with its code; SIGTERM and SIGINT sent to the agent reach every rank.
+
+Warm ranks: on a node without an accelerator (DS_ACCELERATOR=cpu, which the pipeline sets there), the agent
+imports the stage's module once (torch, transformers, DeepSpeed, gptforge: about 6 s of a CPU core) and forks each
+rank from itself, which then runs the module as `python -u -m` would, with its own environment and stdin: the ranks'
+imports cost one core once instead of every core at once (bench/startup.py: launch to first step 1.14x the floor,
+against 1.26x without). On a GPU node each rank starts as a process of its own: a process forked from one that has
+touched the CUDA driver (DeepSpeed asks for the devices as it is imported) cannot use it. GPTFORGE_WARM_RANKS=0
+turns it off; a module that does not import here starts its ranks as processes too, which then report the error
+themselves.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
+import io
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import time
+import traceback
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of the ranks left when one failed
 
@@ -45,7 +60,7 @@ def rank_env(base: dict[str, str], nproc: int, nnodes: int, node_rank: int, loca
     return env
 
 
-def end(procs: list[subprocess.Popen], grace: float = GRACE_S) -> None:
+def end(procs: list, grace: float = GRACE_S) -> None:
     """SIGTERM every rank still running, then SIGKILL what is left after `grace` seconds."""
     for p in procs:
         if p.poll() is None:
@@ -64,10 +79,99 @@ def exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
+def warm(module: str, nproc: int) -> bool:
+    """Import the stage's module here, for its ranks to fork from (see the module's docstring): whether they can."""
+    if os.environ.get("DS_ACCELERATOR") != "cpu" or os.environ.get("GPTFORGE_WARM_RANKS", "1") == "0":
+        return False
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what each rank's torch is imported under (rank_env)
+    try:
+        importlib.import_module(module)
+        if "gptforge.model.distributed" in sys.modules:  # its ranks join a process group: DeepSpeed's import too
+            sys.modules["gptforge.model.distributed"].import_deepspeed()
+    except BaseException:  # noqa: BLE001 - each rank, started on its own, imports it again and reports the error
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
+
+
+def fork_rank(module: str, args: list[str], env: dict[str, str]) -> int:
+    """Fork a rank that runs `module` as `python -u -m module args...` would, under `env`; its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env, PYTHONUNBUFFERED="1")
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        for name in ("stdout", "stderr"):  # unbuffered, as under -u
+            stream = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False), write_through=True,
+                                                encoding=stream.encoding, errors=stream.errors))
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit 1
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+class Forked:
+    """A forked rank, handled as a Popen is (poll, wait, send_signal, kill; returncode)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                return self.returncode
+            if pid:
+                self.returncode = exit_code(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def run(cmd: list[str], nproc: int, nnodes: int, node_rank: int, master_addr: str, master_port: int) -> int:
-    """Start the node's ranks of `cmd` and wait for all; the first failure's exit code, or 0."""
-    procs = [subprocess.Popen(cmd, env=rank_env(os.environ, nproc, nnodes, node_rank, r, master_addr, master_port),
-                              stdin=subprocess.DEVNULL) for r in range(nproc)]
+    """Start the node's ranks of `cmd` (`python -u -m MODULE ARG...`) and wait for all; the first failure's exit
+    code, or 0."""
+    envs = [rank_env(os.environ, nproc, nnodes, node_rank, r, master_addr, master_port) for r in range(nproc)]
+    module, args = cmd[3], cmd[4:]
+    if warm(module, nproc):
+        procs = [Forked(fork_rank(module, args, env)) for env in envs]
+    else:
+        procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL) for env in envs]
     by_pid = {p.pid: p for p in procs}
 
     def forward(signum, frame):  # a cancelled stage: every rank goes, then this agent
