@@ -21,11 +21,10 @@ with its code; SIGTERM and SIGINT sent to the agent reach every rank.
 Warm ranks: on a node without an accelerator (DS_ACCELERATOR=cpu, which the pipeline sets there), the agent
 imports the stage's module once (torch, transformers, DeepSpeed, gptforge: about 6 s of a CPU core) and forks each
 rank from itself, which then runs the module as `python -u -m` would, with its own environment and stdin: the ranks'
-imports cost one core once instead of every core at once (bench/startup.py: launch to first step 1.14x the floor,
-against 1.26x without). On a GPU node each rank starts as a process of its own: a process forked from one that has
-touched the CUDA driver (DeepSpeed asks for the devices as it is imported) cannot use it. GPTFORGE_WARM_RANKS=0
-turns it off; a module that does not import here starts its ranks as processes too, which then report the error
-themselves.
+imports cost one core once instead of every core at once (bench/startup.py times the start). On a GPU node each
+rank starts as a process of its own: a process forked from one that has touched the CUDA driver (DeepSpeed asks
+for the devices as it is imported) cannot use it. GPTFORGE_WARM_RANKS=0 turns it off; a module that does not
+import here starts its ranks as processes too, which then report the error themselves.
 """
 
 from __future__ import annotations
