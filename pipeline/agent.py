@@ -175,7 +175,7 @@ def run(cmd: list[str], nproc: int, nnodes: int, node_rank: int, master_addr: st
 
     def forward(signum, frame):  # a cancelled stage: every rank goes, then this agent
         end(procs)
-        sys.exit(128 + signum)
+        leave(128 + signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
@@ -209,5 +209,13 @@ def main(argv: list[str] | None = None) -> int:
                addr.strip("[]"), int(port))
 
 
+def leave(code: int):
+    """Exit at once: an agent that has imported a stage (warm ranks) would otherwise spend a second tearing down
+    torch and DeepSpeed, and it holds nothing to close."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
