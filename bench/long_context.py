@@ -3,8 +3,8 @@ a Llama-style model of about 20M parameters (most of them its 32000-token vocabu
 side:
 
 - baseline: SDPA, logits and MLPs whole;
-- tiled: tiled logits+loss and tiled MLPs (gptforge.model.tiling);
-- tiled + sequence parallel: the same on 2 processes, Ulysses over both (gptforge.model.sequence_parallel).
+- tiled: tiled logits+loss and tiled MLPs (gptforge.model.train.tiling);
+- tiled + sequence parallel: the same on 2 processes, Ulysses over both (gptforge.model.train.sequence_parallel).
 
 Each trial is a fresh process (2 for sequence parallelism, gloo) that builds the model, runs one AdamW training
 step at the length, and reports its peak resident memory (ru_maxrss: the whole process, Python and torch
@@ -39,10 +39,10 @@ def worker(seq_len: int, setup: str, steps: int) -> None:
     import torch
 
     from gptforge.core.config import load_config
-    from gptforge.model import sequence_parallel
+    from gptforge.model.train import sequence_parallel
     from gptforge.model.build import build_model
-    from gptforge.model.distributed import setup_distributed
-    from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
+    from gptforge.model.train.distributed import setup_distributed
+    from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 
     sp_size = 2 if setup == "tiled+sp" else 1
     tiling = "false" if setup == "baseline" else "true"

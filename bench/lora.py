@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gptforge.core.config import load_config  # noqa: E402
-from gptforge.pipeline.launch import StageFailed, run_stage  # noqa: E402
+from gptforge.core.errors import StageFailed  # noqa: E402
+from gptforge.pipeline.launch import run_stage  # noqa: E402
 from gptforge.pipeline.store import RunRecord  # noqa: E402
 
 BATCH = ["sft.micro_batch_size=8", "sft.global_batch_size=8", "sft.max_length=128", "sft.warmup_steps=2",
@@ -78,18 +79,18 @@ def ours(root: Path, model: Path, steps: int, nproc: int, lora: bool) -> dict:
 
 def trl_sft(root: Path, model: Path, steps: int) -> dict:
     """TRL's SFTTrainer, one process, the same PEFT config, data, batch, length and schedule length; tokens/s as
-    our TRL stages count it (gptforge.model.hf_trainer.TrainerMetrics)."""
+    our TRL stages count it (gptforge.model.train.hf_trainer.TrainerMetrics)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from gptforge.data import loaders
-    from gptforge.model.hf_trainer import TrainerMetrics
+    from gptforge.data import splits
+    from gptforge.model.train.hf_trainer import TrainerMetrics
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [*BATCH, "distributed.nproc_per_node=1"])
-    conversations = loaders.conversations(cfg.data).train
+    conversations = splits.conversations(cfg.data).train
     tokenizer = AutoTokenizer.from_pretrained(model)
     metrics = TrainerMetrics(root / "trl" / "logs")
     args = SFTConfig(output_dir=str(root / "trl"), max_steps=steps, per_device_train_batch_size=8, learning_rate=2e-4,

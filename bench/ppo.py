@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from gptforge.core.config import load_config
-from gptforge.data import loaders
+from gptforge.data import splits
 from gptforge.data.chat import left_pad, prompt_ids
-from gptforge.model.distributed import setup_distributed
-from gptforge.model.engine import deepspeed_config, init_engine
-from gptforge.model.evaluate import reward_scores
-from gptforge.model.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, whiten
+from gptforge.model.train.distributed import setup_distributed
+from gptforge.model.train.engine import deepspeed_config, init_engine
+from gptforge.model.eval.generation import reward_scores
+from gptforge.model.train.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, whiten
 from gptforge.pipeline.store import locate, read_manifest
 from gptforge.stages.ppo import build_critic, critic_values, policy_logprobs, rollout
 
@@ -52,7 +52,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(sft_dir / "model")
     actor = AutoModelForCausalLM.from_pretrained(sft_dir / "model").eval()
-    prompts = [pp["prompt"] for pp in loaders.preference_pairs(cfg.data).train[:args.prompts]]
+    prompts = [pp["prompt"] for pp in splits.preference_pairs(cfg.data).train[:args.prompts]]
 
     ids, attention = left_pad([prompt_ids(tokenizer, pr) for pr in prompts], tokenizer.pad_token_id)
 

@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 
 from gptforge.core.config import load_config
-from gptforge.data.loader import TokenWindows
+from gptforge.data.batches import TokenWindows
 from gptforge.data.shards import TokenStream
 from gptforge.model.build import build_model, flops_per_token, peak_flops
-from gptforge.model.engine import lr_schedule
-from gptforge.model.losses import causal_lm_loss
-from gptforge.model.metrics import WARMUP_STEPS
-from gptforge.pipeline.launch import StageFailed, run_stage
+from gptforge.model.train.engine import lr_schedule
+from gptforge.model.train.losses import causal_lm_loss
+from gptforge.model.train.metrics import WARMUP_STEPS
+from gptforge.core.errors import StageFailed
+from gptforge.pipeline.launch import run_stage
 from gptforge.pipeline.store import RunRecord, locate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import mean_se  # noqa: E402
 
 from gptforge.core.config import dump_config, load_config  # noqa: E402
-from gptforge.pipeline.launch import StageFailed, run_stage  # noqa: E402
+from gptforge.core.errors import StageFailed  # noqa: E402
+from gptforge.pipeline.launch import run_stage  # noqa: E402
 from gptforge.pipeline.store import RunRecord  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

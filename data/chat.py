@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptforge.core.errors import DataError
-from gptforge.data.loader import DistributedOrder
+from gptforge.data.batches import DistributedOrder
 
 IGNORE = -100  # the label of a token without loss (PyTorch's cross-entropy ignore_index)
 

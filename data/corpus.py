@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptforge.data.adapters import BadRow, to_text
+from gptforge.data.formats import BadRow, to_text
 from gptforge.data.encoder import WordCache
 from gptforge.data.shards import ShardWriter
 from gptforge.data.sources import Unit, count_lines, read_unit

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from gptforge.core.attention import NATIVE_WINDOW, check
+from gptforge.core.attention_rules import NATIVE_WINDOW, check
 from gptforge.core.errors import ConfigError
 
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -154,9 +154,3 @@ def register_banded(base: str) -> str:
                                     ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     return name
 
-
-def register_from(config) -> None:
-    """Make a config that names a banded kernel loadable (a process that did not build the model)."""
-    impl = getattr(config, "_attn_implementation", None) or ""
-    if impl.startswith(BANDED):
-        register_banded(impl.removeprefix(BANDED))

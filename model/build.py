@@ -146,12 +146,6 @@ def parameter_counts(model) -> tuple[int, int]:
     return total, total - round(experts * (1 - config.num_experts_per_tok / config.num_local_experts))
 
 
-def count_parameters(arch: Arch, vocab_size: int) -> tuple[int, int]:
-    """(total, active) parameters of the architecture, counted on a model built without memory (meta device)."""
-    with torch.device("meta"):
-        return parameter_counts(build_model(arch, vocab_size))
-
-
 def attention_span(arch: Arch, seq_len: int) -> float:
     """The keys a layer's queries attend over, averaged over the layers: seq_len for a dense layer, the window
     for a banded or sliding one (alternating: every other layer)."""

@@ -89,7 +89,7 @@ def export_model(model, tokenizer, out: Path, rank: int, max_shard_size: int) ->
     import deepspeed
     from safetensors.torch import save_file
 
-    from gptforge.model.adapters import is_peft, merged, save_adapter
+    from gptforge.model.lora import is_peft, merged, save_adapter
     from gptforge.model.pretrained import stop_tokens_of
 
     if hasattr(model, "empty_partition_cache"):  # an engine: release what ZeRO-3 prefetched for a next step

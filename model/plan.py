@@ -121,7 +121,7 @@ class Plan:
 
 def adapter_params(model, lora) -> int:
     """Parameters of LoRA adapters of rank lora.r on the model's targeted linear layers: r * (in + out) each."""
-    from gptforge.model.adapters import targets
+    from gptforge.model.lora import targets
 
     names = set(targets(model, lora, "lora"))
     return sum(lora.r * (m.in_features + m.out_features) for n, m in model.named_modules()
@@ -230,9 +230,9 @@ def device_memory_gib(device: torch.device) -> float | None:
 
 
 def long_context(cfg, stage: str, seq_len: int, micro_batch: int, vocab_size: int, hidden: int) -> LongContext:
-    """A stage's LongContext as the config runs it (gptforge.model.tiling and .sequence_parallel decide)."""
+    """A stage's LongContext as the config runs it (gptforge.model.train.tiling and .sequence_parallel decide)."""
     from gptforge.core.config import SEQUENCE_PARALLEL_STAGES
-    from gptforge.model.tiling import logit_tiles, mlp_shards
+    from gptforge.model.train.tiling import logit_tiles, mlp_shards
 
     dist = cfg.distributed
     stages = cfg.preference.algorithms() if stage == "preference" else [stage]  # a section: the stages it runs

@@ -147,7 +147,7 @@ def load_causal_lm(path: Path, model_cfg, bf16: bool, lora=None, **kwargs):
     where `lora` (the stage's lora section) says so. Inside `partitioned` under ZeRO-3: loaded partitioned."""
     from transformers import AutoModelForCausalLM
 
-    from gptforge.model.adapters import quantization
+    from gptforge.model.lora import quantization
     from gptforge.model.attention import load_kwargs
 
     dtype = load_dtype(model_cfg.dtype, bf16)
@@ -159,7 +159,7 @@ def load_causal_lm(path: Path, model_cfg, bf16: bool, lora=None, **kwargs):
 def load_policy(path: Path, cfg, bf16: bool):
     """A policy as the preference stages start it: `load_causal_lm`, with preference.lora's adapters (none at r=0;
     with them, the reference is the policy with them disabled). Inside `partitioned` under ZeRO-3."""
-    from gptforge.model.adapters import wrap
+    from gptforge.model.lora import wrap
 
     lora = cfg.preference.lora
     return wrap(load_causal_lm(path, cfg.model, bf16, lora), lora, "causal-lm", "preference.lora",
@@ -278,8 +278,8 @@ def check_models(cfg) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gptforge.model import sequence_parallel
-    from gptforge.model.adapters import targets
+    from gptforge.model.train import sequence_parallel
+    from gptforge.model.lora import targets
     from gptforge.model.attention import kernel
     from gptforge.model.build import build_model
 

@@ -86,8 +86,8 @@ def warm(module: str, nproc: int) -> bool:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what each rank's torch is imported under (rank_env)
     try:
         importlib.import_module(module)
-        if "gptforge.model.distributed" in sys.modules:  # its ranks join a process group: DeepSpeed's import too
-            sys.modules["gptforge.model.distributed"].import_deepspeed()
+        if "gptforge.model.train.distributed" in sys.modules:  # its ranks join a process group: DeepSpeed's import too
+            sys.modules["gptforge.model.train.distributed"].import_deepspeed()
     except BaseException:  # noqa: BLE001 - each rank, started on its own, imports it again and reports the error
         return False
     torch = sys.modules.get("torch")

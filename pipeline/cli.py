@@ -68,14 +68,10 @@ def cmd_run(args) -> int:
     _quiet_prefect_env()
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logging.getLogger(name).addFilter(OneLineUserErrors())
-    from gptforge.model.pretrained import check_models
     from gptforge.pipeline.flow import pipeline_flow, selected_stages
-    from gptforge.pipeline.store import pipeline_steps
-    from gptforge.pipeline.team import check_team
+    from gptforge.pipeline.preflight import preflight
 
-    selected_stages(cfg, args.from_stage, args.only)
-    check_models(cfg)  # before the server starts (the flow checks again for runs from the UI)
-    check_team(cfg, pipeline_steps(cfg))
+    preflight(cfg, selected_stages(cfg, args.from_stage, args.only))  # before the server starts (and in the flow)
     server = None if os.environ.get("PREFECT_API_URL") else ephemeral_server()
     t0 = time.perf_counter()
     try:
@@ -239,7 +235,7 @@ def cmd_generate(args) -> int:
         raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     from gptforge.model.attention import load_kwargs
-    from gptforge.model.evaluate import kv_cache
+    from gptforge.model.eval.generation import kv_cache
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(model_dir)).eval()
     if args.chat:

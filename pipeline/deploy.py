@@ -19,6 +19,7 @@ from datetime import timedelta
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import ConfigError
+from gptforge.pipeline.preflight import preflight
 
 HEARTBEAT_SECONDS = 30  # what deployed flow runs are started with (PREFECT_FLOWS_HEARTBEAT_FREQUENCY)
 CRASH_AUTOMATION = "gptforge: crash flow runs whose heartbeats stopped"
@@ -90,6 +91,7 @@ def deploy(cfg: PipelineConfig, name: str, slots: int | None, log=print) -> None
 
     if api_url() is None:
         raise ConfigError("gptforge deploy needs PREFECT_API_URL: the Prefect server to deploy to")
+    preflight(cfg, log=log)  # what its runs will need, before anything is deployed
     if cfg.run.default_work_pool is None:
         raise ConfigError("gptforge deploy needs run.default_work_pool: the pool the pipeline and watch flows run "
                           "on (and every stage run.work_pools does not map)")

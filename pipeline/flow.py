@@ -25,12 +25,11 @@ from gptforge.core.errors import UserError
 from gptforge.core.files import write_text_atomic
 from gptforge.pipeline.approval import approve
 from gptforge.pipeline.launch import kill_running, run_stage
-from gptforge.model.harness import check_tasks
-from gptforge.model.pretrained import check_models
-from gptforge.model.tracking import pipeline_run
+from gptforge.model.train.tracking import pipeline_run
+from gptforge.pipeline.preflight import preflight
 from gptforge.pipeline.report import artifact_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps, read_manifest, upstream
-from gptforge.pipeline.team import STAGE_FLOW, Rejected, cancel_children, check_team, pool_of, run_on_pool
+from gptforge.pipeline.team import STAGE_FLOW, Rejected, cancel_children, pool_of, run_on_pool
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -105,10 +104,7 @@ def pipeline_flow(config: PipelineConfig = load_config(DEFAULT_CONFIG), from_sta
     soon as its inputs are complete. `from_stage` recomputes from that stage on; `only` runs one stage on existing
     inputs."""
     stages = selected_stages(config, from_stage, only)
-    if config.eval.harness_tasks:  # a misspelt task fails now, not after the training before its evaluation
-        check_tasks(config.eval)
-    check_models(config)  # a model that cannot load, or adapters that match nothing, fail before any stage
-    check_team(config, pipeline_steps(config))  # pools, gates and slots
+    preflight(config, stages)  # a run started from the UI or a schedule: every bad input before any stage
     config = named_for_this_run(config)
     record = RunRecord(config)
     resolved = record.dir / "config.yaml"

@@ -23,15 +23,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.errors import UserError
+from gptforge.core.errors import StageFailed, UserError
 from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
 from gptforge.pipeline.team import gpu_slots
 from gptforge.pipeline.store import RunRecord, check_inputs, complete, locate, now, read_manifest, read_result
 from gptforge.stages.registry import STAGES
-
-
-class StageFailed(UserError):
-    """A stage process exited non-zero; its output stays incomplete and is never consumed."""
 
 
 @contextmanager

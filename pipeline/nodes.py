@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
-from gptforge.model.tracking import PARENT_ENV
+from gptforge.model.train.tracking import PARENT_ENV
 from gptforge.core.errors import UserError
-from gptforge.stages.cli import stage_args
+from gptforge.stages.entry import stage_args
 from gptforge.stages.registry import STAGES
 
 SLURM_NODE = "__SLURM_NODEID__"  # replaced by $SLURM_NODEID in the srun command

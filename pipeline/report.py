@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 from gptforge.core.files import write_json_atomic
-from gptforge.model.metrics import HARNESS
+from gptforge.model.train.metrics import HARNESS
 
-REWARDS = "rewards/"  # rewards/<label>: each reward of preference.rewards (gptforge.model.rewards)
+REWARDS = "rewards/"  # rewards/<label>: each reward of preference.rewards (gptforge.model.eval.rewards)
 
 # (panel title, logged keys drawn on it, y-axis label with its unit); a stage's figure has the panels it logged.
 PANELS = [

@@ -21,11 +21,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gptforge.core.config import ALGORITHMS, PipelineConfig, named_models, pipeline_stages, result_fields
-from gptforge.core.errors import InputError
+from gptforge.core.errors import DataError, InputError
 from gptforge.core.files import sha256_file, write_json_atomic
-from gptforge.data.loaders import eval_fingerprint, source_fingerprint
+from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
-from gptforge.stages.cli import RESULT, run_stage
+from gptforge.stages.entry import RESULT, run_stage
 from gptforge.stages.registry import EVALUATED, STAGES
 
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
@@ -127,7 +127,7 @@ def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[st
     for step in steps or pipeline_steps(cfg):
         for s in lineage(cfg, step):
             if s not in out:
-                sources = [source_fingerprint(cfg.data, d, digest_cache(cfg)) for d in data_of(cfg, s)]
+                sources = [data_fingerprint(cfg, d) for d in data_of(cfg, s)]
                 data = eval_fingerprint(cfg.data, s, digest_cache(cfg)) if s.startswith("eval-") else (
                     "|".join(sources) if sources else None)
                 identity = {"stage": s, "store_version": STORE_VERSION, "code_version": STAGES[s].code_version,
@@ -136,6 +136,14 @@ def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[st
                 base = base_model(cfg, s)
                 out[s] = _hash(identity if base is None else {**identity, "base_model": base})
     return {s: out[s] for s in steps} if steps else out
+
+
+def data_fingerprint(cfg: PipelineConfig, which: str) -> str:
+    """source_fingerprint of `data.<which>`; a source that cannot be read is a DataError naming its key."""
+    try:
+        return source_fingerprint(cfg.data, which, digest_cache(cfg))
+    except DataError as e:
+        raise DataError(f"data.{which}: {e}") from None
 
 
 def digest_cache(cfg: PipelineConfig) -> Path:
@@ -183,7 +191,7 @@ def read_manifest(out_dir: Path, verify: bool = True) -> dict | None:
 
 
 def read_result(out_dir: Path) -> dict | None:
-    """What a stage that finished wrote last (gptforge.stages.cli), or None."""
+    """What a stage that finished wrote last (gptforge.stages.entry), or None."""
     try:
         return json.loads((out_dir / RESULT).read_text())
     except (OSError, json.JSONDecodeError):

@@ -28,7 +28,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.errors import ConfigError, UserError
+from gptforge.core.errors import ConfigError, StageFailed, UserError
 
 STAGE_FLOW = "gptforge-stage"
 WAITING = "Waiting for slots"
@@ -186,7 +186,6 @@ def run_on_pool(cfg: PipelineConfig, step: str, recompute: bool, log: Callable[[
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from gptforge.pipeline.launch import StageFailed
     from gptforge.pipeline.store import RunRecord, locate, now, read_manifest
 
     out_dir, fingerprint, _ = locate(cfg, step)

@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.events import DeploymentEventTrigger, emit_event
 
 from gptforge.core.config import PipelineConfig, load_config, named_models
-from gptforge.data.loaders import eval_fingerprint, source_fingerprint
+from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.pipeline.store import data_of, digest_cache, pipeline_steps
 

@@ -7,7 +7,8 @@ model as reference, under DeepSpeed ZeRO (accelerate launch).
 
 `preference.dpo.loss_type` selects any loss TRL implements (sigmoid, ipo, hinge, robust, ...) or a list of
 them ([sigmoid, sft] is RPO). With `distributed.sequence_parallel: N`, groups of N ranks share each pair
-(gptforge.model.sequence_parallel.trainer). The held-out report is the evaluation step's (gptforge.stages.evaluate).
+(gptforge.model.train.sequence_parallel.trainer). The held-out report is the evaluation step's
+(gptforge.stages.evaluate).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
-from gptforge.data import loaders
-from gptforge.model.checkpoints import no_pickled_code
-from gptforge.model.distributed import barrier, setup_distributed
-from gptforge.model.engine import uses_bf16
+from gptforge.data import splits
+from gptforge.model.train.checkpoints import no_pickled_code
+from gptforge.model.train.distributed import barrier, setup_distributed
+from gptforge.model.train.engine import uses_bf16
 from gptforge.model.export import export_trainer
-from gptforge.model.hf_trainer import Checkpoints, TrainerGuard, TrainerMetrics, resume_point, trainer_kwargs
-from gptforge.model import sequence_parallel
+from gptforge.model.train.hf_trainer import Checkpoints, TrainerGuard, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.model.train import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
-from gptforge.stages.cli import exit_process, main
+from gptforge.stages.entry import exit_process, main
 
 
 
@@ -45,8 +46,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from trl import DPOConfig, DPOTrainer  # after setup_distributed, whose environment spares TRL's import of MLflow
     sft_dir = inputs["sft"] / "model"  # the policy and its reference; DPO needs no reward model
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    train = as_dataset(loaders.preference_pairs(cfg.data).train)
-    loaders.require(len(train), pc.global_batch_size, "usable preference pairs", "preference.global_batch_size",
+    train = as_dataset(splits.preference_pairs(cfg.data).train)
+    splits.require(len(train), pc.global_batch_size, "usable preference pairs", "preference.global_batch_size",
                     "data.preference")
 
     loss_type = pc.dpo.loss_type

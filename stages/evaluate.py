@@ -6,17 +6,17 @@ evaluated (the `eval` section) reruns this and never the training before it.
     torchrun --nproc_per_node 8 -m gptforge.stages.evaluate --config CONFIG --out DIR --input dpo=DIR \\
         --input sft=DIR --input reward=DIR
 
-What is evaluated is the run's own held-out data (gptforge.data.loaders.eval_set): the demo's verifiable items,
+What is evaluated is the run's own held-out data (gptforge.data.splits.eval_set): the demo's verifiable items,
 the rows held out of data.sft / data.preference, or data.eval. After SFT (inputs sft and pretrain): the greedy
 answers of the SFT model and of the pretrained base model, prompted in the same chat format, scored against the
 reference answers (ROUGE-L; exact match where the answers are short; without references, `unscored` says what
 could not be computed). After a preference stage (inputs the policy, sft, and reward where preference.rewards
-has a reward model): the preference report (gptforge.model.evaluate.preference_report), exact match only on the
+has a reward model): the preference report (gptforge.model.eval.generation.preference_report), exact match only on the
 demo's verifiable items, and each of the other rewards' accuracy for both models (with eval.samples, pass@k as
 well). Each item's greedy answers go to `answers.jsonl`: the model's `response` beside its base's
 (`base_response`) after SFT, or beside the SFT model's (`sft_response`) with both scores after a preference stage,
 so that every figure of the report can be recomputed from it. Then `eval.harness_tasks` through lm-evaluation-harness
-(gptforge.model.harness), results in `harness/`.
+(gptforge.model.eval.harness), results in `harness/`.
 
 Where it runs: on the CPU one process, in fp32. On GPUs (`eval.processes`) every process of the stage's layout
 takes its share of fixed batches (the results do not depend on how many there are), in bf16 where training is;
@@ -32,16 +32,16 @@ from pathlib import Path
 import torch
 
 from gptforge.core.config import ALGORITHMS, PipelineConfig
-from gptforge.data import loaders
+from gptforge.data import splits
 from gptforge.model.attention import load_kwargs
-from gptforge.model.distributed import barrier, setup_distributed
-from gptforge.model.engine import frozen, inference_config, partitioned, unwrap
-from gptforge.model.evaluate import (answers, policy_and_judge, preference_report, reference_metrics,
-                                     score_references, stop_ids)
-from gptforge.model import rewards
-from gptforge.model.harness import check_tasks, run_harness
+from gptforge.model.train.distributed import barrier, setup_distributed
+from gptforge.model.train.engine import frozen, inference_config, partitioned, unwrap
+from gptforge.model.eval.generation import (answers, policy_and_judge, preference_report, reference_metrics,
+                                            score_references, stop_ids)
+from gptforge.model.eval import rewards
+from gptforge.model.eval.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, start_model
-from gptforge.stages.cli import exit_process, main
+from gptforge.stages.entry import exit_process, main
 from gptforge.stages.registry import EVAL_OUTPUTS
 
 
@@ -53,7 +53,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     policy = next((s for s in ALGORITHMS if s in inputs), None)
     harness = bool(cfg.eval.harness_tasks) and (policy or "sft") in cfg.eval.harness_stages
     manager = check_tasks(cfg.eval) if harness else None
-    held_out = loaders.eval_set(cfg.data, policy or "sft")
+    held_out = splits.eval_set(cfg.data, policy or "sft")
     items = held_out.items[:cfg.eval.items]
     references = [it["answer"] for it in items]
     scored, unscored = (["exact_match"], None) if held_out.demo else reference_metrics(references)

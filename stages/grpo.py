@@ -1,6 +1,6 @@
 """GRPO stage: online RL of the SFT policy with TRL's GRPOTrainer: num_generations completions a prompt,
 their rewards less the group's mean (divided by the group's or batch's std, or not: preference.grpo.scale_rewards)
-as the advantage. Rewarded by preference.rewards (gptforge.model.rewards: the reward model, checkers of the
+as the advantage. Rewarded by preference.rewards (gptforge.model.eval.rewards: the reward model, checkers of the
 reference answers, the user's functions or a reward server) on the online prompts (data.prompts), with an
 optional ptx term (the chosen responses' loss), under DeepSpeed ZeRO (accelerate launch).
 
@@ -16,19 +16,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
-from gptforge.data import loaders
+from gptforge.data import splits
 from gptforge.data.chat import ChosenRows
-from gptforge.model.checkpoints import no_pickled_code
-from gptforge.model.distributed import barrier, setup_distributed
-from gptforge.model.engine import uses_bf16
-from gptforge.model.evaluate import policy_and_judge
+from gptforge.model.train.checkpoints import no_pickled_code
+from gptforge.model.train.distributed import barrier, setup_distributed
+from gptforge.model.train.engine import uses_bf16
+from gptforge.model.eval.generation import policy_and_judge
 from gptforge.model.export import export_trainer
-from gptforge.model import rewards
-from gptforge.model.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask, prompts_dataset,
-                                       resume_point, trainer_kwargs, use_reference, with_ptx)
-from gptforge.model import sequence_parallel
+from gptforge.model.eval import rewards
+from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask,
+                                             prompts_dataset, resume_point, trainer_kwargs, use_reference, with_ptx)
+from gptforge.model.train import sequence_parallel
 from gptforge.model.pretrained import load_policy, reference_dir
-from gptforge.stages.cli import exit_process, main
+from gptforge.stages.entry import exit_process, main
 
 
 
@@ -45,7 +45,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                       reward_weights=trl_rewards.pop("reward_weights"), scale_rewards=oc.scale_rewards)
     trainer_cls = GRPOTrainer
     if oc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
-        rows = ChosenRows(tokenizer, loaders.preference_pairs(cfg.data).train, pc.max_length,
+        rows = ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
                           oc.ptx_rows(pc.micro_batch_size, world, args.gradient_accumulation_steps),
                           rank, world, cfg.run.seed)
         trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)

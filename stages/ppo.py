@@ -8,11 +8,11 @@ the reference is the actor with its adapters disabled).
     deepspeed --num_gpus 2 -m gptforge.stages.ppo --config CONFIG --out DIR --input sft=DIR [--input reward=DIR]
 
 Each step: sample responses to the online prompts (data.prompts) with the KV cache; score them with
-preference.rewards (gptforge.model.rewards: the reward model, checkers, the user's functions, a reward server,
+preference.rewards (gptforge.model.eval.rewards: the reward model, checkers, the user's functions, a reward server,
 weighed and summed, each logged as rewards/<label>); per-token reward is
 the score at the last token minus kl_coef * (log pi - log pi_ref) at every token (fixed or adaptive
 kl_coef); GAE advantages (whitened) and returns; then ppo_epochs passes of the clipped policy and value
-losses over minibatches. The losses, GAE and the KL estimate are in gptforge.model.losses; log-probabilities and
+losses over minibatches. The losses, GAE and the KL estimate are in gptforge.model.train.losses; log-probabilities and
 entropies are TRL's helpers. The held-out report is the evaluation step's (gptforge.stages.evaluate).
 """
 
@@ -27,26 +27,26 @@ import torch
 from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
-from gptforge.data import loaders
+from gptforge.data import splits
 from gptforge.data.chat import ChosenRows, positions
-from gptforge.data.loader import DistributedOrder
-from gptforge.model.adapters import as_reference, quantization, wrap
-from gptforge.model.checkpoints import find_checkpoint, resume, save_step
-from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
-from gptforge.model import rewards
-from gptforge.model.evaluate import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
-                                     same_vocabulary)
+from gptforge.data.batches import DistributedOrder
+from gptforge.model.lora import as_reference, quantization, wrap
+from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
+from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
+from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
+from gptforge.model.eval import rewards
+from gptforge.model.eval.generation import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
+                                            same_vocabulary)
 from gptforge.model.export import export_model, hf_tensor
-from gptforge.model.guard import StepGuard
-from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
-                                   ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
-from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model.train.guard import StepGuard
+from gptforge.model.train.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
+                                         ppo_policy_loss, ppo_value_loss, router_loss, token_rewards, whiten)
+from gptforge.model.train.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.attention import load_kwargs
-from gptforge.model.tiling import logit_tiles, token_logprobs
+from gptforge.model.train.tiling import logit_tiles, token_logprobs
 from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
-from gptforge.stages.cli import exit_process, main
+from gptforge.stages.entry import exit_process, main
 
 
 
@@ -67,7 +67,7 @@ def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
 
 def policy_logprobs(model, seqs, attention, P: int, aux: bool = False, tiles: int = 1):
     """log pi of each response token and the policy entropy there, (B, R) each (from the logits that predicted
-    each response token; `tiles` > 1: a tile of them at a time, gptforge.model.tiling); with `aux`, also a mixture
+    each response token; `tiles` > 1: a tile of them at a time, gptforge.model.train.tiling); with `aux`, also a mixture
     of experts' weighed load-balancing loss (None for a dense model)."""
     inputs = {"input_ids": seqs, "attention_mask": attention, "position_ids": positions(attention)}
     logp, entropy, out = token_logprobs(model, inputs, P - 1, seqs[:, P:], tiles)
@@ -126,7 +126,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     scoring, items = rewards.for_stage(cfg, tokenizer, per_rank * world)
     prompts, answers = [it["prompt"] for it in items], [it["answer"] for it in items]
     columns = rewards.columns_of(items)
-    ptx_rows = (ChosenRows(tokenizer, loaders.preference_pairs(cfg.data).train, pc.max_length,
+    ptx_rows = (ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
                            oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world, cfg.run.seed)
                 if oc.ptx_coef else None)  # an update: one minibatch
     stat_names = ["policy_loss", "value_loss", "clip_frac", "entropy"] + (["ptx_loss"] if ptx_rows is not None else [])
@@ -190,7 +190,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
             total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids],
                                         {k: [v[i] for i in ids] for k, v in columns.items()}, judge)
-            score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/guard.py)
+            score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/train/guard.py)
             per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
             advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)
             advantages = whiten(advantages, mask.float())

@@ -20,23 +20,23 @@ from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import DataError
-from gptforge.data.loader import TokenWindows, document_positions, eval_batches
+from gptforge.data.batches import TokenWindows, document_positions, eval_batches
 from gptforge.data.shards import TokenStream, read_index
-from gptforge.model.adapters import wrap
+from gptforge.model.lora import wrap
 from gptforge.model.build import build_model, flops_per_token, parameter_counts, peak_flops
-from gptforge.model.checkpoints import find_checkpoint, resume, save_step
-from gptforge.model.distributed import all_mean, barrier, setup_distributed
-from gptforge.model.engine import (build_config, deepspeed_config, grad_norm, init_engine, partitioned, startup_oom,
-                                   uses_bf16)
+from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
+from gptforge.model.train.distributed import all_mean, barrier, setup_distributed
+from gptforge.model.train.engine import (build_config, deepspeed_config, grad_norm, init_engine, partitioned,
+                                         startup_oom, uses_bf16)
 from gptforge.model.export import export_model
-from gptforge.model.guard import StepGuard
-from gptforge.model.losses import router_loss
-from gptforge.model.metrics import MetricsLog, Throughput
-from gptforge.model import sequence_parallel
+from gptforge.model.train.guard import StepGuard
+from gptforge.model.train.losses import router_loss
+from gptforge.model.train.metrics import MetricsLog, Throughput
+from gptforge.model.train import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
-from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
-from gptforge.stages.cli import exit_process, main
+from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
+from gptforge.stages.entry import exit_process, main
 
 
 

@@ -22,22 +22,22 @@ import torch
 from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
-from gptforge.data import loaders
+from gptforge.data import splits
 from gptforge.data.chat import collate, encode_pairs
-from gptforge.data.loader import DistributedOrder
-from gptforge.model.adapters import quantization, wrap
+from gptforge.data.batches import DistributedOrder
+from gptforge.model.lora import quantization, wrap
 from gptforge.model.attention import load_kwargs
-from gptforge.model.checkpoints import find_checkpoint, resume, save_step
-from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
-from gptforge.model.evaluate import generate
+from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
+from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
+from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
+from gptforge.model.eval.generation import generate
 from gptforge.model.export import export_model
-from gptforge.model.guard import StepGuard
-from gptforge.model.losses import pairwise_reward_loss
-from gptforge.model.metrics import MetricsLog, Throughput
+from gptforge.model.train.guard import StepGuard
+from gptforge.model.train.losses import pairwise_reward_loss
+from gptforge.model.train.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_dtype, model_dir, prepare_tokenizer
-from gptforge.stages.cli import exit_process, main
+from gptforge.stages.entry import exit_process, main
 
 
 
@@ -60,7 +60,7 @@ def policy_pairs(sft_dir: Path, pairs: list[dict], n: int, temperature: float, m
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    known = loaders.answered_prompts(pairs)
+    known = splits.answered_prompts(pairs)
     n = min(n, len(known))
     mine = random.Random(seed).sample(range(len(known)), n)[rank::world]
     with partitioned(ds_config):
@@ -100,7 +100,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     start = model_dir(rc.pretrained, None, "reward.pretrained") if rc.pretrained else inputs["sft"] / "model"
     tokenizer = AutoTokenizer.from_pretrained(start, trust_remote_code=cfg.model.trust_remote_code)
     prepare_tokenizer(tokenizer)
-    data = loaders.preference_pairs(cfg.data)
+    data = splits.preference_pairs(cfg.data)
     train = encode_pairs(tokenizer, data.train, rc.max_length, rc.on_too_long)
     val = encode_pairs(tokenizer, data.val, rc.max_length, rc.on_too_long)
     sampled, added = 0, []
@@ -114,9 +114,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         if rank == 0:
             print(f"[reward] {len(extra)} of {sampled} answers sampled from the SFT model were wrong: "
                   f"{len(added)} pairs added", flush=True)
-    loaders.require(len(train.examples), rc.micro_batch_size * world, f"usable training pairs (skipped: "
+    splits.require(len(train.examples), rc.micro_batch_size * world, f"usable training pairs (skipped: "
                     f"{dict(train.skipped)})", "reward.micro_batch_size", "data.preference")
-    loaders.require(len(val.examples), 1, "usable held-out pairs", "reward.micro_batch_size", "data.preference")
+    splits.require(len(val.examples), 1, "usable held-out pairs", "reward.micro_batch_size", "data.preference")
     if rank == 0:
         print(f"[reward] {len(train.examples)} pairs, {len(val.examples)} held out; skipped {dict(train.skipped)}, "
               f"truncated {train.truncated}", flush=True)

@@ -4,11 +4,11 @@
     deepspeed --num_gpus 2 -m gptforge.stages.sft --config CONFIG --out DIR --input pretrain=DIR
 
 The loop is our own rather than TRL's SFTTrainer so that every training stage shares one exact-resume
-mechanism (step checkpoints with loader position and RNG states, see model.train) and one launcher
+mechanism (step checkpoints with loader position and RNG states, see gptforge.model.train.checkpoints) and one launcher
 story; the loss is assistant-only by default (the assistant turns found through the model's own chat
 template, gptforge.data.chat.assistant_mask), packing optional (conversations kept apart by their position ids).
 It starts from the pretrain stage's model (`--input pretrain=DIR`) or, without that input, from
-`model.pretrained`, with full weights or LoRA adapters (`sft.lora`, gptforge.model.adapters). A model without a
+`model.pretrained`, with full weights or LoRA adapters (`sft.lora`, gptforge.model.lora). A model without a
 chat template or pad token gets them here (gptforge.model.pretrained.prepare_tokenizer), its embeddings grown to
 the new tokens.
 Validation: the loss on held-out conversations, before training (`base_val_loss`) and after (`val_loss`).
@@ -26,22 +26,22 @@ import torch
 from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
-from gptforge.data import loaders
+from gptforge.data import splits
 from gptforge.data.chat import collate, encode_conversations, model_batch, pack
-from gptforge.data.loader import DistributedOrder
-from gptforge.model.adapters import wrap
-from gptforge.model.checkpoints import find_checkpoint, resume, save_step
-from gptforge.model.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.engine import build_config, deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
+from gptforge.data.batches import DistributedOrder
+from gptforge.model.lora import wrap
+from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
+from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
+from gptforge.model.train.engine import build_config, deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
 from gptforge.model.export import export_model
-from gptforge.model.guard import StepGuard
-from gptforge.model.losses import router_loss
-from gptforge.model.metrics import MetricsLog, Throughput
-from gptforge.model import sequence_parallel
+from gptforge.model.train.guard import StepGuard
+from gptforge.model.train.losses import router_loss
+from gptforge.model.train.metrics import MetricsLog, Throughput
+from gptforge.model.train import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
-from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
-from gptforge.stages.cli import exit_process, main
+from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
+from gptforge.stages.entry import exit_process, main
 
 
 
@@ -72,14 +72,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     base_dir = start_model(cfg, inputs)
     tokenizer = AutoTokenizer.from_pretrained(base_dir, trust_remote_code=cfg.model.trust_remote_code)
     added = prepare_tokenizer(tokenizer, sc.chat_template)
-    data = loaders.conversations(cfg.data)
+    data = splits.conversations(cfg.data)
     train = encode_conversations(tokenizer, data.train, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     val = encode_conversations(tokenizer, data.val, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     examples = pack(train.examples, sc.max_length) if sc.packing else train.examples
     dp_world = dist.data_parallel("sft")  # sequence parallelism: groups of ranks share each row
-    loaders.require(len(examples), sc.micro_batch_size * dp_world, f"usable training conversations (skipped: "
+    splits.require(len(examples), sc.micro_batch_size * dp_world, f"usable training conversations (skipped: "
                     f"{dict(train.skipped)})", "sft.micro_batch_size", "data.sft")
-    loaders.require(len(val.examples), 1, "usable held-out conversations", "sft.micro_batch_size", "data.sft")
+    splits.require(len(val.examples), 1, "usable held-out conversations", "sft.micro_batch_size", "data.sft")
     if rank == 0:
         print(f"[sft] {len(train.examples)} conversations ({len(examples)} sequences), {len(val.examples)} val; "
               f"skipped {dict(train.skipped)}, truncated {train.truncated}", flush=True)

@@ -36,7 +36,7 @@ from gptforge.data.shards import dtype_for, entropy, write_index
 from gptforge.data.sources import Unit, unit_bytes, units
 from gptforge.data.tokenizer import load_pretrained, save_hf, train_bpe
 from gptforge.model.pretrained import TOKENIZER_FILES, model_dir
-from gptforge.stages.cli import exit_process, main
+from gptforge.stages.entry import exit_process, main
 
 WARNINGS = 5  # bad rows named in the log (all are counted)
 

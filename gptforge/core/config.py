@@ -301,7 +301,7 @@ class ModelSection(Section):
         except ValueError as e:
             raise ValueError(f"model.max_shard_size: {e}") from None
         if not self.pretrained:
-            from gptforge.core.attention import check_context
+            from gptforge.core.attention_rules import check_context
 
             check_context(a, self)
         if a.is_moe and a.experts_per_token > a.n_experts:
@@ -335,7 +335,8 @@ class DistributedSection(Section):
                                      "(DeepSpeed-Ulysses; pretrain, SFT, DPO, GRPO, RLOO); data parallelism over the "
                                      "rest.")
     tiling: bool | Literal["auto"] = Setting("auto", same_result=True, description="Tiled logits+loss and MLPs "
-                                             "(model/tiling.py): true, false, or auto (logits over logits_tile_mb, "
+                                             "(model/train/tiling.py): true, false, or auto (logits over "
+                                             "logits_tile_mb, "
                                              "MLPs from 4096 tokens).")
     logits_tile_mb: int = Setting(1024, ge=1, same_result=True, description="Largest fp32 logits tile of a "
                                   "micro-batch's loss, in MiB (tiling auto and on).")
@@ -404,7 +405,7 @@ class TrainSection(Section):
     keep_last: int = Setting(2, ge=1, same_result=True, description="Step checkpoints kept.")
     lora: LoraSection = Setting(default_factory=LoraSection, description="LoRA/QLoRA adapters (r=0: full weights).")
     spike_factor: float | None = Setting(None, gt=1, description="Skip a step whose loss is over this factor times "
-                                         "the median of the last spike_window steps (None: off); model/guard.py.")
+                                         "the median of the last spike_window steps (None: off); model/train/guard.py.")
     spike_window: int = Setting(32, ge=1, description="Good steps whose median loss spike_factor is taken against.")
     max_bad_steps: int = Setting(3, ge=1, description="Bad steps (NaN/Inf loss or gradient norm, spikes) in a row "
                                  "after which the stage rolls back to its newest valid checkpoint.")
@@ -470,7 +471,7 @@ class OnlineSection(Section):
         return per_update // (world * micro_steps_per_update)
 
 
-REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length")  # gptforge.model.rewards
+REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length")  # gptforge.model.eval.rewards
 
 
 class RewardSpec(Section):

@@ -21,6 +21,10 @@ class InputError(UserError):
     """A stage's input stage has no complete output to consume."""
 
 
+class StageFailed(UserError):
+    """A stage process exited non-zero; its output stays incomplete and is never consumed."""
+
+
 class StorageError(UserError):
     """The run root (or a file a stage writes) cannot be written: read-only, no permission, or full."""
 

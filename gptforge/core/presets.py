@@ -5,7 +5,7 @@ A preset is an `Arch`: plain architecture fields, which `gptforge.model.build` t
 config. They live in the core because the config schema validates `model.preset` against them.
 """
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,6 @@ class Arch:
     def with_overrides(self, **overrides) -> "Arch":
         """This architecture with the given fields replaced (None: kept)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _gpt3(n_layer, n_embd, n_head):

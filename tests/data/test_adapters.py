@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gptforge.core.errors import DataError
-from gptforge.data.adapters import normalise, parse_hh, to_messages, to_pair, to_text
+from gptforge.data.formats import normalise, parse_hh, to_messages, to_pair, to_text
 from gptforge.core.config import SourceSection
 from gptforge.data.sources import read_rows
 

@@ -7,8 +7,8 @@ import pytest
 
 from gptforge.core.errors import DataError
 from gptforge.data import demo
-from gptforge.data.adapters import BadRow, to_eval_item
-from gptforge.data.loaders import VAL_EVERY, eval_fingerprint, eval_set
+from gptforge.data.formats import BadRow, to_eval_item
+from gptforge.data.splits import VAL_EVERY, eval_fingerprint, eval_set
 from gptforge.pipeline.store import fingerprints
 
 

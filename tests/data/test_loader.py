@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from gptforge.data.loader import DistributedOrder, TokenWindows, eval_batches
+from gptforge.data.batches import DistributedOrder, TokenWindows, eval_batches
 
 
 def test_ranks_take_disjoint_slices_of_each_global_batch():
@@ -50,7 +50,7 @@ def test_ids_at_a_micro_step_depend_on_the_step_and_rank_alone():
 
 def test_too_little_data_names_the_keys_to_change():
     from gptforge.core.errors import DataError
-    from gptforge.data.loaders import require
+    from gptforge.data.splits import require
 
     require(16, 16, "pairs", "reward.micro_batch_size", "data.preference")
     with pytest.raises(DataError, match=r"^12 pairs, fewer than the 16 that one step takes \(reward.micro_batch_size "

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from gptforge.core.errors import DataError
-from gptforge.data.loader import TokenWindows, eval_batches
+from gptforge.data.batches import TokenWindows, eval_batches
 from gptforge.data.shards import ShardWriter, TokenStream, dtype_for, entropy, read_index, write_index
 
 

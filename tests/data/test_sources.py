@@ -13,7 +13,7 @@ import pytest
 from gptforge.core.config import SourceSection
 from gptforge.core.errors import DataError
 from gptforge.data import sources
-from gptforge.data.adapters import normalise, to_text
+from gptforge.data.formats import normalise, to_text
 from gptforge.data.sources import file_digest, fingerprint_source, read_rows, read_unit, resolve_revision, units
 
 DOCS = [f"document number {i}" for i in range(30)]

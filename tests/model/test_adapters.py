@@ -1,4 +1,4 @@
-"""LoRA through gptforge.model.adapters on models from elsewhere: a few real optimizer steps in this process, then
+"""LoRA through gptforge.model.lora on models from elsewhere: a few real optimizer steps in this process, then
 the export a stage writes (merged model/ and adapter/) checked against the PEFT model it came from."""
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from gptforge.core.config import LoraSection
 from gptforge.core.errors import ConfigError
 from gptforge.data.chat import IGNORE, model_batch, pack
-from gptforge.model.adapters import disabled, linear_names, targets, wrap
+from gptforge.model.lora import disabled, linear_names, targets, wrap
 from gptforge.model.export import export_model
-from gptforge.model.losses import causal_lm_loss
+from gptforge.model.train.losses import causal_lm_loss
 from gptforge.model.pretrained import fit_embeddings, prepare_tokenizer
 from tests import hub_models
 

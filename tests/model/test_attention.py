@@ -8,9 +8,9 @@ import torch
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import ConfigError
-from gptforge.data.loader import document_positions
+from gptforge.data.batches import document_positions
 from gptforge.model.build import build_model
-from gptforge.model.losses import causal_lm_loss
+from gptforge.model.train.losses import causal_lm_loss
 from gptforge.model.pretrained import load_causal_lm
 from gptforge.stages.pretrain import model_inputs
 from tests import hub_models
@@ -140,7 +140,7 @@ def test_flash_attention_without_a_gpu_is_an_error_naming_the_key():
 
 
 def test_alternating_on_a_family_that_cannot_take_it_is_an_error(tmp_path):
-    from gptforge.core.attention import check
+    from gptforge.core.attention_rules import check
 
     cfg = load_config(None, ["model.attention_pattern=alternating", "model.local_window=8"])
     with pytest.raises(ConfigError, match="a falcon model's attention cannot take banded layers"):
@@ -148,7 +148,7 @@ def test_alternating_on_a_family_that_cannot_take_it_is_an_error(tmp_path):
 
 
 def test_greedy_answers_with_an_fp8_kv_cache_agree_with_the_full_cache_on_most_items():
-    from gptforge.model.evaluate import kv_cache
+    from gptforge.model.eval.generation import kv_cache
 
     model = preset_model("llama-tiny", "sdpa")
     torch.manual_seed(3)

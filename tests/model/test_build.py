@@ -49,7 +49,7 @@ def test_tied_embeddings_are_counted_once():
 
 def test_moe_preset_routes_each_token_to_top_k_experts_with_a_load_balancing_loss():
     from gptforge.model.build import parameter_counts
-    from gptforge.model.losses import router_loss
+    from gptforge.model.train.losses import router_loss
 
     arch = PRESETS["moe-tiny"]
     torch.manual_seed(0)
@@ -79,13 +79,13 @@ import os
 os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="FREE_PORT", RANK="0", WORLD_SIZE="1",
                   LOCAL_RANK="0")
 import torch
-from gptforge.model.distributed import import_deepspeed
+from gptforge.model.train.distributed import import_deepspeed
 deepspeed = import_deepspeed()
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as setup_distributed: no JIT build of its op
 deepspeed.init_distributed("gloo")
 from gptforge.core.presets import PRESETS
 from gptforge.model.build import build_model
-from gptforge.model.engine import param_groups
+from gptforge.model.train.engine import param_groups
 for name in ("moe-tiny",):  # (a tied GPT-2: tests/stages/test_pretrain.py, ZeRO-3's curve that of ZeRO-2)
     torch.manual_seed(0)
     whole = build_model(PRESETS[name], 320).state_dict()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gptforge.core.config import load_config
-from gptforge.model.engine import lr_schedule
+from gptforge.model.train.engine import lr_schedule
 from tests.conftest import TINY
 
 

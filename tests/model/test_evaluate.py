@@ -7,9 +7,10 @@ from gptforge.core.errors import UserError
 from gptforge.core.presets import PRESETS
 from gptforge.data.tokenizer import save_hf, train_bpe
 from gptforge.model.build import build_model, hf_config
-from gptforge.model.evaluate import (answers, check_same_vocabulary, preference_report, reference_metrics, rouge_l,
-                                     score_references, stop_ids, verify, win_rate)
-from gptforge.model.harness import run_harness
+from gptforge.model.eval.generation import (answers, check_same_vocabulary, preference_report, reference_metrics,
+                                            rouge_l, score_references, stop_ids, win_rate)
+from gptforge.model.eval.harness import run_harness
+from gptforge.model.eval.rewards import verify
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -73,7 +74,7 @@ def test_report_of_a_policy_against_itself_and_another(tokenizer):
 
 
 def test_standard_error_of_a_mean():
-    from gptforge.model.evaluate import standard_error
+    from gptforge.model.eval.generation import standard_error
 
     assert standard_error([1.0, 3.0]) == pytest.approx(1.0)  # sd sqrt(2) over sqrt(2)
     assert standard_error([2.0] * 5) == 0.0 and standard_error([4.0]) == 0.0
@@ -113,7 +114,7 @@ def test_the_harness_demo_task_prompts_and_scores_as_the_evaluation_step_does(to
     import yaml
 
     from gptforge.core.config import load_config
-    from gptforge.model import harness
+    from gptforge.model.eval import harness
     from tests.conftest import TINY
 
     model = policy(tokenizer, 3)

@@ -3,7 +3,7 @@
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gptforge.model.hf_trainer import positions_from_mask
+from gptforge.model.train.hf_trainer import positions_from_mask
 
 
 def test_left_padded_rows_score_as_unpadded_with_the_hook():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gptforge.data.chat import IGNORE
-from gptforge.model.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, pairwise_reward_loss,
-                                   ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
+from gptforge.model.train.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, pairwise_reward_loss,
+                                         ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
 
 
 def test_causal_lm_loss_by_hand():

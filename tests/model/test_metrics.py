@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from gptforge.model.metrics import NAMES, MetricsLog, Throughput, from_trainer
+from gptforge.model.train.metrics import NAMES, MetricsLog, Throughput, from_trainer
 
 
 def test_log_refuses_names_outside_the_vocabulary(tmp_path):

@@ -122,7 +122,7 @@ def test_plan_command_states_its_verdict_and_assumptions():
 
 def test_out_of_memory_message_quotes_the_planner(tmp_path):
     from gptforge.core.errors import UserError
-    from gptforge.model.engine import startup_oom
+    from gptforge.model.train.engine import startup_oom
     from gptforge.model.plan import stage_verdict
 
     cfg = load_config(None, ["model.preset=gpt2-1.5b", "distributed.zero_stage=2"])

@@ -1,4 +1,4 @@
-"""preference.rewards (gptforge.model.rewards): the built-in checks, the user's own function, a reward server on
+"""preference.rewards (gptforge.model.eval.rewards): the built-in checks, the user's own function, a reward server on
 127.0.0.1 with its error paths, the weighed total, TRL's view of the same functions, and the prompts they score
 (data.prompts: {prompt, answer}, conversations, GSM8K's #### answers)."""
 
@@ -10,9 +10,9 @@ import pytest
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import UserError
-from gptforge.data import loaders
-from gptforge.data.adapters import to_prompt_item
-from gptforge.model import rewards
+from gptforge.data import splits
+from gptforge.data.formats import to_prompt_item
+from gptforge.model.eval import rewards
 from tests.conftest import TINY
 
 
@@ -174,18 +174,18 @@ def test_prompt_rows_gsm8k_conversations_and_plain(tmp_path):
     path = tmp_path / "gsm.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(TINY, [f"data.prompts={path}"])
-    split = loaders.online_prompts(cfg.data)
+    split = splits.online_prompts(cfg.data)
     assert len(split.train) == 38 and len(split.val) == 2  # every 20th row held out
     assert split.train[2] == {"prompt": [{"role": "user", "content": "What is 3 plus 1?"}], "answer": "4",
                               "level": "easy"}
     assert split.train[0]["level"] is None  # one set of columns for every row
-    assert loaders.eval_set(cfg.data, "grpo").items == split.val  # the held-out prompts evaluate the policy
+    assert splits.eval_set(cfg.data, "grpo").items == split.val  # the held-out prompts evaluate the policy
 
 
 def test_the_default_prompts_are_the_preference_pairs_with_the_demos_answers():
     cfg = load_config(TINY, [])
-    split = loaders.online_prompts(cfg.data)
-    pairs = loaders.preference_pairs(cfg.data).train
+    split = splits.online_prompts(cfg.data)
+    pairs = splits.preference_pairs(cfg.data).train
     assert len(split.train) == len({str(p["prompt"]) for p in pairs})
     first = next(p for p in pairs if p["prompt"] == split.train[0]["prompt"])
     assert split.train[0]["answer"] == first["chosen"]
@@ -202,11 +202,11 @@ def test_checkers_on_prompts_without_answers_are_one_error(tmp_path):
 
 
 def test_pass_at_k_counts_an_item_passed_when_any_of_its_k_samples_is_right(monkeypatch):
-    from gptforge.model import evaluate
+    from gptforge.model.eval import generation
 
     drawn = ["1", "2", "3", "5", "5", "5"]  # 3 samples for each of two items, answers 3 and 4
-    monkeypatch.setattr(evaluate, "generate", lambda model, tokenizer, prompts, *a, **k: drawn[:len(prompts)])
+    monkeypatch.setattr(generation, "generate", lambda model, tokenizer, prompts, *a, **k: drawn[:len(prompts)])
     (exact,) = built({"name": "exact_match"})
     items = [{"prompt": [{"role": "user", "content": "a"}], "answer": "3"},
              {"prompt": [{"role": "user", "content": "b"}], "answer": "4"}]
-    assert evaluate.passes(None, None, items, [exact], 3, 8, 0, 8, False) == {"exact_match": [1.0, 0.0]}
+    assert generation.passes(None, None, items, [exact], 3, 8, 0, 8, False) == {"exact_match": [1.0, 0.0]}

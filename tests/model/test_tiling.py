@@ -5,8 +5,8 @@ import torch
 
 from gptforge.core.config import load_config
 from gptforge.model.build import build_model
-from gptforge.model.losses import causal_lm_loss
-from gptforge.model.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
+from gptforge.model.train.losses import causal_lm_loss
+from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 
 
 def grads(model):
@@ -42,7 +42,7 @@ def test_tiled_loss_and_mlps_give_the_untiled_loss_and_gradients(preset):
 
 
 def test_the_checkpointed_tiles_zero3_uses_give_the_fused_tiles_loss_and_gradients():
-    from gptforge.model.tiling import FusedLinearCrossEntropy, tiled_cross_entropy
+    from gptforge.model.train.tiling import FusedLinearCrossEntropy, tiled_cross_entropy
 
     torch.manual_seed(0)
     head = torch.nn.Linear(32, 200)
@@ -73,7 +73,7 @@ def test_tiling_switches_on_by_size():
 
 
 def test_tiled_token_logprobs_give_the_untiled_logprobs_entropy_and_gradients():
-    from gptforge.model.tiling import token_logprobs
+    from gptforge.model.train.tiling import token_logprobs
 
     cfg = load_config(None, ["model.preset=llama-tiny"])
     torch.manual_seed(0)

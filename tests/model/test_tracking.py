@@ -4,8 +4,8 @@ ones, read back through MLflow's client."""
 import pytest
 
 from gptforge.core.errors import UserError
-from gptforge.model.metrics import MetricsLog
-from gptforge.model.tracking import pipeline_run, tracking_uri
+from gptforge.model.train.metrics import MetricsLog
+from gptforge.model.train.tracking import pipeline_run, tracking_uri
 from gptforge.pipeline.store import execute
 
 

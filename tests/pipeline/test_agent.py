@@ -1,5 +1,6 @@
 """gptforge's node agent: each rank's environment, the first failure ending the others, a cancel reaching every
-rank, and ranks that stay in the agent's process group."""
+rank, and ranks that stay in the agent's process group; each both for ranks forked from the agent's import of the
+module (warm ranks, a CPU node) and for ranks started as processes of their own."""
 
 import os
 import signal
@@ -9,18 +10,29 @@ import textwrap
 import time
 
 import psutil
+import pytest
 
 from gptforge.pipeline.agent import rank_env
 
 RANK = textwrap.dedent("""
     import os, sys, time
-    rank = int(os.environ["RANK"])
-    open(os.path.join(sys.argv[1], f"rank{rank}.pid"), "w").write(f"{os.getpid()} {os.getpgrp()}")
-    if rank == int(sys.argv[2]):
-        time.sleep(0.5)
-        sys.exit(3)
-    time.sleep(300)
+
+
+    def main():
+        rank = int(os.environ["RANK"])
+        forked = "fake_rank" in sys.modules  # imported by the agent before it forked this rank
+        with open(os.path.join(sys.argv[1], f"rank{rank}.pid"), "w") as f:
+            f.write(f"{os.getpid()} {os.getpgrp()} {int(forked)}")
+        if rank == int(sys.argv[2]):
+            time.sleep(0.5)
+            sys.exit(3)
+        time.sleep(300)
+
+
+    if __name__ == "__main__":
+        main()
 """)
+
 
 
 def test_each_rank_gets_the_environment_a_launcher_gives():
@@ -34,14 +46,17 @@ def test_each_rank_gets_the_environment_a_launcher_gives():
     assert rank_env({"OMP_NUM_THREADS": "8"}, 2, 1, 0, 0, "127.0.0.1", 1)["OMP_NUM_THREADS"] == "8"
 
 
-def start(tmp_path, failing: int) -> subprocess.Popen:
+WARM = {"forked": {"DS_ACCELERATOR": "cpu"}, "started": {"DS_ACCELERATOR": "cpu", "GPTFORGE_WARM_RANKS": "0"}}
+
+
+def start(tmp_path, failing: int, how: str) -> subprocess.Popen:
     (tmp_path / "fake_rank.py").write_text(RANK)
     return subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.agent", "--nproc-per-node", "2", "--master",
                              "127.0.0.1:1", "-m", "fake_rank", str(tmp_path), str(failing)],
-                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, start_new_session=True)
+                            env={**os.environ, "PYTHONPATH": str(tmp_path), **WARM[how]}, start_new_session=True)
 
 
-def pids(tmp_path) -> list[tuple[int, int]]:
+def pids(tmp_path) -> list[tuple[int, int, int]]:
     deadline = time.time() + 60
     while len(list(tmp_path.glob("rank*.pid"))) < 2:
         assert time.time() < deadline
@@ -57,17 +72,20 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_the_first_rank_that_fails_ends_the_others_and_sets_the_exit_code(tmp_path):
-    agent = start(tmp_path, failing=1)
-    (rank0, group0), (_, group1) = pids(tmp_path)
+@pytest.mark.parametrize("how", WARM)
+def test_the_first_rank_that_fails_ends_the_others_and_sets_the_exit_code(tmp_path, how):
+    agent = start(tmp_path, 1, how)
+    (rank0, group0, forked0), (_, group1, forked1) = pids(tmp_path)
+    assert forked0 == forked1 == (how == "forked")
     assert group0 == group1 == agent.pid  # the ranks share the agent's process group: a kill of it reaches them
     assert agent.wait(30) == 3
     assert gone(rank0)
 
 
-def test_a_cancelled_agent_ends_every_rank(tmp_path):
-    agent = start(tmp_path, failing=-1)
-    ranks = [pid for pid, _ in pids(tmp_path)]
+@pytest.mark.parametrize("how", WARM)
+def test_a_cancelled_agent_ends_every_rank(tmp_path, how):
+    agent = start(tmp_path, -1, how)
+    ranks = [pid for pid, _, _ in pids(tmp_path)]
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(30) == 128 + signal.SIGTERM
     assert all(gone(pid) for pid in ranks)

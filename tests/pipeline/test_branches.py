@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.model.metrics import MEASURED
+from gptforge.model.train.metrics import MEASURED
 from gptforge.pipeline.flow import pipeline_flow
 from tests.conftest import PPO
 from tests.helpers import prepared, run_stage

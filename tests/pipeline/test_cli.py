@@ -136,3 +136,41 @@ def test_team_settings_without_a_server_or_with_a_stage_misspelt_are_one_line(tm
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["data.sft=/nonexistent/chat.jsonl"], "error: data.sft: file not found: /nonexistent/chat.jsonl"),
+    (["preference.algorithm=grpo", "data.prompts=/nonexistent/gsm.jsonl"],
+     "error: data.prompts: file not found: /nonexistent/gsm.jsonl"),
+    (["preference.algorithm=grpo", "preference.rewards=[{name: 'nosuchmodule:fn', weight: 1.0}]"],
+     "error: preference.rewards[0]: cannot import module 'nosuchmodule' for 'nosuchmodule:fn' (ModuleNotFoundError: "
+     "No module named 'nosuchmodule'); it must be importable from the working folder ({cwd}) or an installed package"),
+])
+def test_a_missing_data_file_or_reward_function_of_a_later_stage_is_one_line_before_any_stage(tmp_path, overrides,
+                                                                                               line):
+    """Bad inputs of SFT and GRPO, found by the preflight (gptforge.pipeline.preflight) on a fresh root: before
+    tokenize and pretrain, not after them."""
+    proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(TINY), "--set",
+                           f"run.root={tmp_path / 'r'}", *[a for o in overrides for a in ("--set", o)]],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == line.format(cwd=tmp_path), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r" / "store" / "tokenize").exists()
+    assert not list((tmp_path / "r").glob("*/run.json"))  # no run began
+
+
+def test_a_reward_server_that_does_not_answer_is_a_warning_and_a_user_function_is_imported(tmp_path, monkeypatch):
+    from gptforge.core.config import load_config
+    from gptforge.pipeline.preflight import preflight
+    from tests.helpers import free_port
+
+    (tmp_path / "myrewards.py").write_text("def short(prompts, responses, answers, **_):\n"
+                                           "    return [-float(len(r)) for r in responses]\n")
+    monkeypatch.chdir(tmp_path)
+    url = f"http://127.0.0.1:{free_port()}/score"  # nothing listens there
+    cfg = load_config(TINY, [f"run.root={tmp_path / 'r'}", "preference.algorithm=grpo",
+                             f"preference.rewards=[{{name: 'myrewards:short', weight: 1.0}}, {{url: '{url}'}}]"])
+    lines = []
+    preflight(cfg, log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith(f"warning: preference.rewards[1]: the reward server {url} does "
+                                                   "not answer (") and "try it 3 time(s)" in lines[0], lines
+    assert not (tmp_path / "r" / "store" / "tokenize").exists()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gptforge.core.errors import InputError
-from gptforge.model.metrics import MEASURED
+from gptforge.model.train.metrics import MEASURED
 from gptforge.pipeline.store import execute, fingerprints, locate, read_manifest
 
 

@@ -1,11 +1,11 @@
-"""The command line every stage module shares (stages/cli.py)."""
+"""The command line every stage module shares (stages/entry.py)."""
 
 import json
 
 import torch
 
-from gptforge.model.distributed import all_sum, setup_distributed
-from gptforge.stages.cli import RESULT, main
+from gptforge.model.train.distributed import all_sum, setup_distributed
+from gptforge.stages.entry import RESULT, main
 from tests.helpers import config, free_port
 
 

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from gptforge.data import loaders
-from gptforge.model.evaluate import response_logprobs
-from gptforge.model.metrics import NAMES
+from gptforge.data import splits
+from gptforge.model.eval.generation import response_logprobs
+from gptforge.model.train.metrics import NAMES
 from gptforge.pipeline.store import locate
 from tests.conftest import DPO
 from tests.helpers import changed_from_sft, logged_names, prepared, run_stage
@@ -36,7 +36,7 @@ def test_dpo_raises_the_chosen_over_the_rejected(chain, dpo):
     manifest, out_dir, _, cfg, _ = dpo
     assert manifest["metrics"]["global_step"] == 6 and manifest["world_size"] == 2
     assert changed_from_sft(chain, out_dir)
-    pairs = loaders.preference_pairs(cfg.data).train[:48]
+    pairs = splits.preference_pairs(cfg.data).train[:48]
     assert implicit_margin(out_dir / "model", chain["sft"][1] / "model", pairs) > 0.05
     names = logged_names(out_dir)
     assert {"loss", "lr", "grad_norm", "train_reward_margin", "chosen_rewards"} <= names <= set(NAMES)
@@ -44,7 +44,7 @@ def test_dpo_raises_the_chosen_over_the_rejected(chain, dpo):
     # tracked in MLflow (run.tracker): TRL's logs in our names, each step, and the final metrics
     from mlflow.tracking import MlflowClient
 
-    from gptforge.model.tracking import tracking_uri
+    from gptforge.model.train.tracking import tracking_uri
 
     client = MlflowClient(tracking_uri(cfg))
     run = client.search_runs([client.get_experiment_by_name(cfg.run.name).experiment_id],
@@ -94,7 +94,7 @@ def test_two_local_nodes_train_dpo_as_one_node_with_two_processes(chain, dpo, tm
 
 
 def test_dpo_skips_bad_steps_and_rolls_back_through_its_callback(chain, tmp_path, monkeypatch):
-    """Drills (model/guard.py) in a TRL stage: micro-batch 3's loss NaN on rank 1, 5th a spike (x10), 7th and 8th
+    """Drills (model/train/guard.py) in a TRL stage: micro-batch 3's loss NaN on rank 1, 5th a spike (x10), 7th and 8th
     NaN. Steps 3 and 5 are skipped (no update, the schedule held), 7 and 8 roll back to checkpoint-6; the run
     ends at max_steps with finite weights."""
     from safetensors.torch import load_file

@@ -3,7 +3,7 @@ reward model, each logged by name), with the ptx term."""
 
 import pytest
 
-from gptforge.model.metrics import check_names
+from gptforge.model.train.metrics import check_names
 from tests.helpers import changed_from_sft, logged, logged_names, prepared, run_stage
 
 pytestmark = pytest.mark.slow

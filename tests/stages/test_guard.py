@@ -1,5 +1,5 @@
 """The guards of a long run, on real 2-process pretraining under ZeRO-2 (gloo), with faults injected through
-GPTFORGE_FAULTS (model/guard.py): a NaN batch and a loss spike are skipped, bad steps in a row roll back to the
+GPTFORGE_FAULTS (model/train/guard.py): a NaN batch and a loss spike are skipped, bad steps in a row roll back to the
 newest checkpoint, a run that stays bad fails with its checkpoint kept, and a rank that hangs ends the stage
 within its timeout, naming the rank."""
 
@@ -10,8 +10,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from gptforge.model.checkpoints import newest_valid_checkpoint
-from gptforge.pipeline.launch import StageFailed
+from gptforge.model.train.checkpoints import newest_valid_checkpoint
+from gptforge.core.errors import StageFailed
 from gptforge.pipeline.launch import run_stage as run_step
 from gptforge.pipeline.store import RunRecord, locate, read_manifest
 from tests.helpers import config, copy_store, logged, prepared, run_stage

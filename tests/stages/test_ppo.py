@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from gptforge.model.checkpoints import newest_valid_checkpoint
-from gptforge.model.metrics import check_names
+from gptforge.model.train.checkpoints import newest_valid_checkpoint
+from gptforge.model.train.metrics import check_names
 from gptforge.pipeline.store import locate
-from gptforge.model.metrics import MEASURED
+from gptforge.model.train.metrics import MEASURED
 from tests.conftest import PPO
 from tests.helpers import as_killed, changed_from_sft, launch, logged, logged_names, prepared, run_stage
 
@@ -48,7 +48,7 @@ def test_ppo_resumed_from_its_step_4_checkpoint_matches_uninterrupted(chain, ppo
 
 
 def test_ppo_nan_rewards_are_skipped_rolled_back_then_fail_keeping_the_last_checkpoint(chain, tmp_path, monkeypatch):
-    """From its 3rd prompt batch on, the rewards are NaN (a drill, model/guard.py): steps 1-2 train and are
+    """From its 3rd prompt batch on, the rewards are NaN (a drill, model/train/guard.py): steps 1-2 train and are
     checkpointed; the next two batches are skipped, the stage rolls back to step 2, the two after fail it."""
     cfg, path = prepared(chain, tmp_path, *PPO, "preference.save_every=1", "preference.max_bad_steps=2",
                          "preference.max_rollbacks=1")

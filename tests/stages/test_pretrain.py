@@ -12,7 +12,7 @@ import pytest
 
 from gptforge.core.errors import DataError
 from gptforge.core.files import sha256_file
-from gptforge.model.checkpoints import newest_valid_checkpoint
+from gptforge.model.train.checkpoints import newest_valid_checkpoint
 from gptforge.pipeline.store import locate
 from gptforge.stages.pretrain import load_data
 from tests.helpers import (config, copy_store, kill_after_checkpoint, launch, logged, run_stage, tokenize_from,
@@ -189,7 +189,7 @@ def test_out_of_memory_at_start_up_names_the_settings_to_change(tokenized, tmp_p
     """The allocator failing in the first step (simulated: the CPU allocator's error from the model's
     forward) ends the stage with one message naming the ZeRO stage, offload and micro-batch settings."""
     from gptforge.pipeline.store import locate, read_manifest
-    from gptforge.stages.cli import stage_args
+    from gptforge.stages.entry import stage_args
 
     cfg, path = config(tmp_path, "distributed.nproc_per_node=1", "pretrain.global_batch_size=16")
     tokenize_from(tokenized, cfg)

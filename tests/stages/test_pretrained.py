@@ -15,9 +15,9 @@ import shutil
 import pytest
 import torch
 
-from gptforge.model.checkpoints import no_pickled_code
-from gptforge.model.evaluate import win_rate
-from gptforge.model.metrics import MEASURED
+from gptforge.model.train.checkpoints import no_pickled_code
+from gptforge.model.eval.generation import win_rate
+from gptforge.model.train.metrics import MEASURED
 from tests import hub_models
 from tests.helpers import config, kill_after_checkpoint, logged, run_stage, tokenize_in_process
 

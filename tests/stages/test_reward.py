@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gptforge.model.metrics import MEASURED
+from gptforge.model.train.metrics import MEASURED
 from gptforge.pipeline.store import locate
 from tests.helpers import as_killed, config, copy_store, logged, run_stage
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gptforge.model.metrics import check_names
+from gptforge.model.train.metrics import check_names
 from tests.helpers import changed_from_sft, logged, logged_names, prepared, run_stage
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gptforge.model.metrics import MEASURED
+from gptforge.model.train.metrics import MEASURED
 from gptforge.pipeline.store import locate
 from tests.helpers import as_killed, config, copy_store, logged, run_stage
 

@@ -16,7 +16,7 @@ from gptforge.core.errors import DataError
 from gptforge.data.shards import TokenStream, read_index
 from gptforge.pipeline.store import execute, locate
 from gptforge.stages import tokenize
-from gptforge.model.metrics import MEASURED
+from gptforge.model.train.metrics import MEASURED
 from tests.helpers import free_port
 
 MIXED = ["Hello world, 23 plus 45 is 68.", "你好，世界！中文文本。", "emoji 🙂🚀 and ünïcödé",

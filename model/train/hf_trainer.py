@@ -18,10 +18,10 @@ from transformers import TrainerCallback
 
 from gptforge.core.files import write_json_atomic
 from gptforge.data.chat import ChosenRows, positions
-from gptforge.model.checkpoints import newest_valid_checkpoint, record_complete
-from gptforge.model.engine import min_lr_rate, zero_config
-from gptforge.model.losses import causal_lm_loss
-from gptforge.model.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer
+from gptforge.model.train.checkpoints import newest_valid_checkpoint, record_complete
+from gptforge.model.train.engine import min_lr_rate, zero_config
+from gptforge.model.train.losses import causal_lm_loss
+from gptforge.model.train.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer
 
 
 def trainer_kwargs(section, dist, data_parallel: int, out_dir: Path, seed: int) -> dict:
@@ -104,7 +104,7 @@ class TrainerMetrics(TrainerCallback):
 class Checkpoints(TrainerCallback):
     """The Trainer's checkpoints kept as ours are: none at the last step (the export follows at once, and a
     Trainer resumed from a checkpoint at max_steps takes one step more than max_steps, seen with DPO), and each
-    marked complete (gptforge.model.checkpoints.record_complete: every file with its size and sha256), so that
+    marked complete (gptforge.model.train.checkpoints.record_complete: every file with its size and sha256), so that
     a resumed stage skips one that is incomplete or changed."""
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -119,9 +119,9 @@ class Checkpoints(TrainerCallback):
 
 
 class TrainerGuard(TrainerCallback):
-    """model/guard.py's bad-step guard in a TRL trainer. Its `compute_loss` is wrapped: each training micro-batch's
-    loss is observed (drills applied), and at the step's last one every rank learns whether the step is bad; a
-    bad one's loss goes to backward as NaN, so that DeepSpeed drops its update and the Trainer steps no
+    """model/train/guard.py's bad-step guard in a TRL trainer. Its `compute_loss` is wrapped: each training
+    micro-batch's loss is observed (drills applied), and at the step's last one every rank learns whether the step
+    is bad; a bad one's loss goes to backward as NaN, so that DeepSpeed drops its update and the Trainer steps no
     scheduler. A step whose gradient norm is not finite is dropped by DeepSpeed alone. As the Trainer counts,
     a skipped step is one of max_steps. After max_bad_steps in a row the newest valid checkpoint's weights,
     optimizer and schedule are loaded; the step count, and with it the data order, go on, so that a resume
@@ -131,7 +131,7 @@ class TrainerGuard(TrainerCallback):
     FILE = "guard.json"
 
     def __init__(self, trainer, section, stage: str, out_dir: Path, resumed: str | None):
-        from gptforge.model.guard import StepGuard
+        from gptforge.model.train.guard import StepGuard
 
         acc = trainer.accelerator
         self.trainer, self.out_dir = trainer, out_dir
@@ -165,8 +165,8 @@ class TrainerGuard(TrainerCallback):
     def rollback(self, step: int) -> None:
         from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
-        from gptforge.model.adapters import is_peft
-        from gptforge.model.checkpoints import no_pickled_code
+        from gptforge.model.lora import is_peft
+        from gptforge.model.train.checkpoints import no_pickled_code
 
         ckpt = self.guard.rollback_point(self.out_dir / "checkpoints", step, pattern="checkpoint-*")
         with no_pickled_code():
@@ -253,7 +253,7 @@ def with_ptx(trainer_cls, rows: ChosenRows, coef: float):
 
 
 def prompts_dataset(items: list[dict]):
-    """The online prompts (gptforge.data.loaders.online_prompts: prompt, answer and the rows' other columns) as the
+    """The online prompts (gptforge.data.splits.online_prompts: prompt, answer and the rows' other columns) as the
     online trainers' dataset; TRL hands every column but the prompt to the reward functions."""
     from datasets import Dataset
 

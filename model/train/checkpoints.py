@@ -23,7 +23,7 @@ import torch
 
 from gptforge.core.errors import UserError, storage_error
 from gptforge.core.files import sha256_file, write_json_atomic
-from gptforge.model.distributed import barrier
+from gptforge.model.train.distributed import barrier
 
 COMPLETE = "complete.json"
 

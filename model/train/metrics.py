@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gptforge.model import tracking
+from gptforge.model.train import tracking
 
 # name -> what it means (units where it has them)
 NAMES = {
@@ -58,7 +58,7 @@ NAMES = {
     "clip_frac": "share of response tokens where the clipped policy ratio was taken",
     "ptx_loss": "loss of the preference pairs' chosen responses (PPO-ptx)",
     "gen_tokens_per_sec": "response tokens sampled per second (all processes)",
-    "bad_steps": "steps skipped: NaN/Inf loss, reward or gradient norm, or a loss spike (model/guard.py)",
+    "bad_steps": "steps skipped: NaN/Inf loss, reward or gradient norm, or a loss spike (model/train/guard.py)",
     "rollbacks": "returns to the newest valid checkpoint after max_bad_steps bad steps in a row",
     # held-out evaluation of a finished output
     "exact_match": "share of held-out items whose greedy answer is the known answer",
@@ -89,7 +89,7 @@ NAMES = {
     "policy_pairs": "pairs added from the SFT model's wrong answers",
 }
 
-HARNESS = "harness/"  # harness/<task>/<metric>[/<filter>]: an lm-evaluation-harness score (gptforge.model.harness)
+HARNESS = "harness/"  # harness/<task>/<metric>[/<filter>]: an lm-evaluation-harness score (gptforge.model.eval.harness)
 # Families of names, by prefix: the harness tasks, and one name per reward of preference.rewards (its label)
 FAMILIES = {
     HARNESS: "an lm-evaluation-harness score",
@@ -120,7 +120,7 @@ WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilati
 def check_names(metrics: dict) -> None:
     unknown = sorted(k for k in set(metrics) - set(NAMES) if not k.startswith(tuple(FAMILIES)))
     if unknown:
-        raise ValueError(f"metric names outside the vocabulary (gptforge.model.metrics.NAMES): {unknown}")
+        raise ValueError(f"metric names outside the vocabulary (gptforge.model.train.metrics.NAMES): {unknown}")
 
 
 def from_trainer(logs: dict) -> dict:
@@ -135,7 +135,7 @@ def from_trainer(logs: dict) -> dict:
 
 class MetricsLog:
     """Rank 0 writes each record as a JSONL line and TensorBoard scalars (`logs/metrics.jsonl`, `logs/tb`), and to
-    MLflow when the stage is tracked (gptforge.model.tracking),
+    MLflow when the stage is tracked (gptforge.model.train.tracking),
     tagged by the metric's name alone, so that the curves of every stage line up. A resumed run first drops
     what a killed run logged after the checkpoint it resumes from."""
 

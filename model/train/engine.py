@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from gptforge.core.errors import UserError
-from gptforge.model.distributed import return_freed_memory
+from gptforge.model.train.distributed import return_freed_memory
 
-DS_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+DS_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 
 
 def zero_config(dist, device: torch.device, hidden_size: int | None = None) -> dict:
@@ -159,7 +159,7 @@ def init_engine(model, config: dict, train, dist, universal: bool = False, verdi
                 mpu=None):
     """deepspeed.initialize with `config` (from deepspeed_config: AdamW, the section's batch), decay on matrices
     only and warmup+cosine lr; `universal`: to load a universal checkpoint (an elastic resume); `verdict`: the
-    planner's, for an out-of-memory message; `mpu`: sequence-parallel groups (gptforge.model.sequence_parallel).
+    planner's, for an out-of-memory message; `mpu`: sequence-parallel groups (gptforge.model.train.sequence_parallel).
     Returns (engine, scheduler, gradient accumulation steps)."""
     import deepspeed
 

@@ -191,7 +191,7 @@ def trainer(trainer_cls, policy, dist, rows: int, stage: str):
             self._tp_size = getattr(self, "_tp_size", 1) * sp.size
 
         def train(self, *args, **kwargs):
-            if not self._sharded:  # the reference as the stage left it (gptforge.model.hf_trainer.use_reference)
+            if not self._sharded:  # the reference as the stage left it (gptforge.model.train.hf_trainer.use_reference)
                 policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
                 for model in (policy, self.ref_model):
                     if model is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gptforge.core.errors import DataError
 from gptforge.data import demo
-from gptforge.data.adapters import Normalised, normalise, to_eval_item, to_messages, to_pair, to_prompt_item
+from gptforge.data.formats import Normalised, normalise, to_eval_item, to_messages, to_pair, to_prompt_item
 from gptforge.data.sources import fingerprint_source, kind_of, read_rows
 
 VAL_EVERY = 20  # for files and hub data: every 20th row is held out for validation

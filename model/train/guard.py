@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from gptforge.core.errors import UserError
-from gptforge.model.checkpoints import newest_valid_checkpoint, resume
-from gptforge.model.distributed import heartbeat
+from gptforge.model.train.checkpoints import newest_valid_checkpoint, resume
+from gptforge.model.train.distributed import heartbeat
 
 SPIKE = 10.0  # what a spike drill multiplies the loss by
 HEARTBEAT_EVERY = 1.0  # seconds between a rank's heartbeats: where it was, for a timed-out collective's message

@@ -12,6 +12,7 @@ import torch
 
 from gptforge.core.errors import ConfigError, UserError
 from gptforge.data.chat import collate, left_pad, prompt_ids
+from gptforge.model.eval.rewards import columns_of, verify
 
 
 def stop_ids(model) -> set[int]:
@@ -58,11 +59,6 @@ def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, b
             cut = next((k for k, t in enumerate(row) if t in stops), len(row))
             responses.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
     return responses
-
-
-def verify(responses: list[str], answers: list[str]) -> list[float]:
-    """The demo's verifier: 1 for a response that is exactly its known answer (whitespace-trimmed), else 0."""
-    return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
 
 
 SHORT_ANSWER_WORDS = 5  # references this short (the median, in words) are scored by exact match as well
@@ -227,13 +223,11 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
     can come out slightly negative where the two models are close), and on `verifiable` items (the demo's) the
     exact match of both (`reward_tokenizer`: the reward model's, where it is not the policy's);
     and each item's row: the policy's and the SFT model's greedy answers and their scores. Each of `checks`
-    (gptforge.model.rewards, the rewards but the reward model)
+    (gptforge.model.eval.rewards, the rewards but the reward model)
     scores both models' greedy answers (accuracy/<label>, sft_accuracy/<label>) and, with `samples`, `samples`
     sampled answers of each (pass@<samples>/<label>: a positive reward among them). Without a reward model the
     checks' weighed total is the score. Batched; each rank takes its share of the batches (`shares`), every rank
     gets the report; `synced`: the models are partitioned (ZeRO-3)."""
-    from gptforge.model.rewards import columns_of
-
     checks, records = checks or [], []
     models = (("policy", policy), ("sft", sft))
     for share in shares(len(items), batch_size, rank, world):
@@ -277,8 +271,6 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
 def passes(model, tokenizer, batch: list[dict], checks: list, k: int, max_new_tokens: int, seed: int,
            batch_size: int, synced: bool) -> dict[str, list[float]]:
     """{label: 1.0 where any of k answers sampled for the item (temperature 1) gets a positive reward, else 0}."""
-    from gptforge.model.rewards import columns_of
-
     torch.manual_seed(seed)
     repeated = [it for it in batch for _ in range(k)]
     prompts = [it["prompt"] for it in repeated]

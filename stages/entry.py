@@ -20,8 +20,8 @@ from typing import NoReturn
 from gptforge.core.config import PipelineConfig, load_config
 from gptforge.core.errors import UserError, storage_error
 from gptforge.core.files import write_json_atomic
-from gptforge.model.metrics import check_names
-from gptforge.model.tracking import stage_run
+from gptforge.model.train.metrics import check_names
+from gptforge.model.train.tracking import stage_run
 
 RESULT = "result.json"
 RunFn = Callable[[PipelineConfig, dict[str, Path], Path], dict]
@@ -88,7 +88,7 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
         inputs = dict(_input(item) for item in args.input)
         cfg = load_config(args.config, args.set)
         run_stage(run, cfg, inputs, args.out, stage)
-        from gptforge.model.distributed import end_distributed  # torch: only in a stage's processes
+        from gptforge.model.train.distributed import end_distributed  # torch: only in a stage's processes
 
         end_distributed()
     except OSError as e:
@@ -101,7 +101,7 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except RuntimeError as e:  # a collective that timed out: name the rank that stopped answering
-        from gptforge.model.distributed import hung_rank, is_timeout
+        from gptforge.model.train.distributed import hung_rank, is_timeout
 
         if not is_timeout(e):
             raise

@@ -80,16 +80,20 @@ def checked(values, n: int, what: str) -> list[float]:
 # --- built in -------------------------------------------------------------------------------------------------
 
 
+def verify(responses: list[str], answers: list[str]) -> list[float]:
+    """The demo's verifier: 1 for a response that is exactly its known answer (whitespace-trimmed), else 0."""
+    return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
+
+
 def exact_match(prompts, responses, answers, **_) -> list[float]:
     """1 for a response that is exactly its reference answer (whitespace-trimmed), else 0: the demo's verifier."""
-    from gptforge.model.evaluate import verify
-
     return verify(responses, answers)
 
 
 def math_equal(prompts, responses, answers, **_) -> list[float]:
     """1 where the response's final answer equals the reference's, by math-verify (LaTeX and plain numbers)."""
-    from math_verify import parse, verify
+    from math_verify import parse
+    from math_verify import verify as equivalent
 
     # math-verify bounds its time with SIGALRM, which only the main thread may set; elsewhere unbounded
     main = threading.current_thread() is threading.main_thread()
@@ -97,7 +101,7 @@ def math_equal(prompts, responses, answers, **_) -> list[float]:
     out = []
     for r, a in zip(responses, answers):
         gold, pred = parse(a, **parsing), parse(r, **parsing)
-        out.append(float(bool(gold) and bool(pred) and verify(gold, pred, **checking)))
+        out.append(float(bool(gold) and bool(pred) and equivalent(gold, pred, **checking)))
     return out
 
 
@@ -207,14 +211,14 @@ def check_answers(rewards: list[Reward], answers: list, source: str) -> None:
 
 
 def for_stage(cfg, tokenizer, need: int, split: str = "train") -> tuple[list[Reward], list[dict]]:
-    """An online stage's rewards and prompts (gptforge.data.loaders.online_prompts, the `split` rows): at least
+    """An online stage's rewards and prompts (gptforge.data.splits.online_prompts, the `split` rows): at least
     `need` of them, with reference answers where a checker needs them; else one error line naming the data."""
-    from gptforge.data import loaders
+    from gptforge.data import splits
 
     rewards = build(cfg.preference, tokenizer)
     key = "data.prompts" if cfg.data.prompts.path is not None else "data.preference"
-    items = getattr(loaders.online_prompts(cfg.data), split)
-    loaders.require(len(items), need, "distinct prompts", "preference.global_batch_size", key)
+    items = getattr(splits.online_prompts(cfg.data), split)
+    splits.require(len(items), need, "distinct prompts", "preference.global_batch_size", key)
     check_answers(rewards, [it["answer"] for it in items], key)
     return rewards, items
 

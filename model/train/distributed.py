@@ -32,7 +32,7 @@ def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout.total_seconds()) + 60))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
     # transformers' MLflow callback and TRL's profiling import MLflow when it is installed (seconds of each rank's
-    # start); gptforge tracks to MLflow itself (gptforge.model.tracking) and reports nothing through them
+    # start); gptforge tracks to MLflow itself (gptforge.model.train.tracking) and reports nothing through them
     os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
     if "RANK" not in os.environ:  # no launcher: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -63,7 +63,8 @@ MUON = "deepspeed.runtime.zero.muon"  # its modules muon_optimizer and original_
 
 
 def _not_muon(*args, **kwargs):
-    raise RuntimeError("DeepSpeed's Muon optimizer is not loaded in gptforge's stages (gptforge.model.distributed)")
+    raise RuntimeError("DeepSpeed's Muon optimizer is not loaded in gptforge's stages "
+                       "(gptforge.model.train.distributed)")
 
 
 def import_deepspeed():
@@ -74,7 +75,7 @@ def import_deepspeed():
     - its Muon optimizer's modules, which the ZeRO optimizers import at their start and in every backward only to
       ask `isinstance(optimizer, MuonWithAuxAdam)` or to hold `muon_update` for Muon's parameters, and which
       compile their kernels with torch.compile as they are imported, importing Inductor (2 s a rank). Every
-      engine gptforge builds steps AdamW (gptforge.model.engine, and the TRL Trainer's), so modules whose class
+      engine gptforge builds steps AdamW (gptforge.model.train.engine, and the TRL Trainer's), so modules whose class
       nothing is an instance of, and whose update is never called, answer the same."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
@@ -88,7 +89,7 @@ def import_deepspeed():
             del sys.modules["mlflow"]
     for name, attrs in (("muon_optimizer", {"MuonWithAuxAdam": type("MuonWithAuxAdam", (), {})}),
                         ("original_muon", {"muon_update": _not_muon})):
-        stand_in = types.ModuleType(f"{MUON}.{name}", "Stands in for DeepSpeed's (gptforge.model.distributed).")
+        stand_in = types.ModuleType(f"{MUON}.{name}", "Stands in for DeepSpeed's (gptforge.model.train.distributed).")
         stand_in.__dict__.update(attrs)
         sys.modules.setdefault(f"{MUON}.{name}", stand_in)
     return deepspeed
@@ -102,7 +103,7 @@ def return_freed_memory(threshold: int = 8 << 20) -> None:
     Each such allocation gets fresh zeroed pages, a tax that at 1 MiB took 14% of a ZeRO-3 CPU step
     (bench/pretrain.py --set distributed.zero_stage=3: 9.1k tokens/s against 10.5k without); at 8 MiB, what a
     layer's gathered matrices and ZeRO's buckets are, it is within noise (10.7k) and the peak stays bounded (2.35
-    GiB, bench/zero3.py). Only ZeRO-3 asks for it (gptforge.model.engine.zero_config)."""
+    GiB, bench/zero3.py). Only ZeRO-3 asks for it (gptforge.model.train.engine.zero_config)."""
     import ctypes
 
     try:

@@ -1,0 +1,69 @@
+"""One check of everything a run needs that the config's schema cannot see, before any stage starts: `gptforge
+run`, the pipeline flow (a run started from the UI or a schedule) and `gptforge deploy` call it, so that a bad
+input is one `error:` line and nothing has trained.
+
+- the harness tasks of `eval.harness_tasks` exist;
+- the named models load (`model.pretrained`, `reward.pretrained`, `preference.reward_model`, ...), their adapters
+  match something;
+- the team's pools, gates and slots are sound;
+- every data source of every step the run may compute is there: each local file of `data.*` read (its digest,
+  which the stage store needs anyway), so a missing `data.sft` or `data.prompts` fails now, not after tokenize
+  and pretrain;
+- every user reward function of `preference.rewards` imports and is a function;
+- every reward server answers; one that does not is a warning (it may be started later: the stage retries it).
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from gptforge.core.config import ALGORITHMS, PipelineConfig
+from gptforge.model.eval.harness import check_tasks
+from gptforge.model.eval.rewards import REWARD_MODEL, user_function
+from gptforge.model.pretrained import check_models
+from gptforge.pipeline.store import fingerprints, pipeline_steps
+from gptforge.pipeline.team import check_team
+
+ONLINE = tuple(a for a in ALGORITHMS if a != "dpo")  # the algorithms preference.rewards scores
+
+
+def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Callable[[str], None] = print) -> None:
+    """Check everything the run needs (see the module's docstring), for the steps it may compute (`selected`:
+    all of the pipeline's by default); a UserError naming the key on the first problem."""
+    steps = pipeline_steps(cfg)
+    selected = steps if selected is None else selected
+    if cfg.eval.harness_tasks:
+        check_tasks(cfg.eval)
+    check_models(cfg)
+    check_team(cfg, steps)
+    fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
+    check_rewards(cfg, selected, log)
+
+
+def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], None]) -> None:
+    """Import each user function of preference.rewards, and call each reward server once, where a step of the run
+    is rewarded or judged by them (an online algorithm, or its evaluation)."""
+    if not any(s.removeprefix("eval-") in ONLINE for s in steps):
+        return
+    for i, spec in enumerate(cfg.preference.rewards):
+        key = f"preference.rewards[{i}]"
+        if spec.url:
+            if (problem := unreachable(spec.url, min(spec.timeout_s, 5.0))) is not None:
+                log(f"warning: {key}: the reward server {spec.url} does not answer ({problem}); the stage will "
+                    f"try it {spec.retries} time(s) when it scores its first batch")
+        elif spec.name and ":" in spec.name and spec.name != REWARD_MODEL:
+            user_function(spec.name, key)
+
+
+def unreachable(url: str, timeout: float) -> str | None:
+    """Why `url` cannot be reached, or None when its server answers at all (any HTTP status: a reward server
+    need not serve GET)."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return str(getattr(e, "reason", e))
