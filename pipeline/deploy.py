@@ -91,7 +91,7 @@ def deploy(cfg: PipelineConfig, name: str, slots: int | None, log=print) -> None
 
     if api_url() is None:
         raise ConfigError("gptforge deploy needs PREFECT_API_URL: the Prefect server to deploy to")
-    preflight(cfg, log=log)  # what its runs will need, before anything is deployed
+    preflight(cfg, log=log, team=False)  # what its runs will need, before anything is deployed (it makes the pools)
     if cfg.run.default_work_pool is None:
         raise ConfigError("gptforge deploy needs run.default_work_pool: the pool the pipeline and watch flows run "
                           "on (and every stage run.work_pools does not map)")

@@ -29,15 +29,18 @@ from gptforge.pipeline.team import check_team
 ONLINE = tuple(a for a in ALGORITHMS if a != "dpo")  # the algorithms preference.rewards scores
 
 
-def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Callable[[str], None] = print) -> None:
+def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Callable[[str], None] = print,
+              team: bool = True) -> None:
     """Check everything the run needs (see the module's docstring), for the steps it may compute (`selected`:
-    all of the pipeline's by default); a UserError naming the key on the first problem."""
+    all of the pipeline's by default); a UserError naming the key on the first problem. `team=False`: not the
+    pools and slots (`gptforge deploy`, which creates them)."""
     steps = pipeline_steps(cfg)
     selected = steps if selected is None else selected
     if cfg.eval.harness_tasks:
         check_tasks(cfg.eval)
     check_models(cfg)
-    check_team(cfg, steps)
+    if team:
+        check_team(cfg, steps)
     fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rewards(cfg, selected, log)
 

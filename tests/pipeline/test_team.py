@@ -148,8 +148,8 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tokenized, tmp
     test). SIGKILL the pipeline's flow process while pretrain trains: pretrain trains on, a rerun joins it rather
     than starting a second copy or failing on its lock, and the killed run is marked Crashed by the automation once
     its heartbeats stop."""
-    cfg, path = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=200", "pretrain.save_every=10",
-                       "run.name=pools")  # 190 steps after the kill: longer than the rerun takes to reach pretrain
+    cfg, path = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=600", "pretrain.save_every=10",
+                       "run.name=pools")  # 590 steps after the kill: far longer than the rerun takes to reach pretrain
     copy_store(tokenized, tmp_path, "tokenize")
     first = team.start("pools-first", GPTFORGE + ["run", "-c", str(path)])
     ckpt = locate(cfg, "pretrain")[0] / "checkpoints" / "step-00000010" / "complete.json"
@@ -169,7 +169,7 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tokenized, tmp
         assert {s: r.work_pool_name for s, r in pools.items()} == {"pretrain": "gpu"}
         assert all(r.state.is_completed() and r.parent_task_run_id is not None for r in pools.values())
     stages = record(cfg)["stages"]
-    assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 200
+    assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 600
     team.killed_pipeline = killed.id  # checked Crashed at the end of this module (three heartbeats later)
 
 
