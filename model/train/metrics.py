@@ -1,5 +1,5 @@
 """One vocabulary of metrics for every stage, ours and the TRL ones: the same name, the same meaning, in the
-JSONL log, TensorBoard, the manifest and the report (DESIGN.md). `MetricsLog` refuses a name that is not in
+JSONL log, TensorBoard, the manifest and the report. `MetricsLog` refuses a name that is not in
 `NAMES`; `from_trainer` translates what TRL's trainers log into these names."""
 
 from __future__ import annotations
