@@ -19,14 +19,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from gptforge.core.config import ALGORITHMS, PipelineConfig
+from gptforge.core.config import ONLINE_ALGORITHMS, PipelineConfig, dump_config
 from gptforge.model.eval.harness import check_tasks
 from gptforge.model.eval.rewards import REWARD_MODEL, user_function
 from gptforge.model.pretrained import check_models
 from gptforge.pipeline.store import fingerprints, pipeline_steps
 from gptforge.pipeline.team import check_team
 
-ONLINE = tuple(a for a in ALGORITHMS if a != "dpo")  # the algorithms preference.rewards scores
+CHECKED: set[tuple[str, tuple[str, ...], bool]] = set()  # checked, and not asked again since
 
 
 def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Callable[[str], None] = print,
@@ -36,6 +36,10 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     pools and slots (`gptforge deploy`, which creates them)."""
     steps = pipeline_steps(cfg)
     selected = steps if selected is None else selected
+    key = (dump_config(cfg), tuple(selected), team)
+    if key in CHECKED:  # `gptforge run` checks before its server starts, and its flow at once asks again (as
+        CHECKED.discard(key)  # for a run from the UI): that second ask is answered; any later run checks anew
+        return
     if cfg.eval.harness_tasks:
         check_tasks(cfg.eval)
     check_models(cfg)
@@ -43,12 +47,13 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
         check_team(cfg, steps)
     fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rewards(cfg, selected, log)
+    CHECKED.add(key)
 
 
 def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], None]) -> None:
     """Import each user function of preference.rewards, and call each reward server once, where a step of the run
     is rewarded or judged by them (an online algorithm, or its evaluation)."""
-    if not any(s.removeprefix("eval-") in ONLINE for s in steps):
+    if not any(s.removeprefix("eval-") in ONLINE_ALGORITHMS for s in steps):
         return
     for i, spec in enumerate(cfg.preference.rewards):
         key = f"preference.rewards[{i}]"

@@ -19,6 +19,7 @@ from gptforge.core.errors import ConfigError
 from gptforge.core.presets import PRESETS
 
 ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")
+ONLINE_ALGORITHMS = ("ppo", "grpo", "rloo")  # rewarded by preference.rewards
 SEQUENCE_PARALLEL_STAGES = ("pretrain", "sft", "dpo", "grpo", "rloo")  # distributed.sequence_parallel serves these
 Algorithm = Literal["dpo", "ppo", "grpo", "rloo"]
 
@@ -682,7 +683,7 @@ class PipelineConfig(Section):
             if down_s.enabled and not up_s.enabled:
                 raise ValueError(f"{down}.enabled is true but its input stage {up} is disabled ({up}.enabled=false)")
         pc = self.preference
-        online = [a for a in pc.algorithms() if a != "dpo"] if pc.enabled else []
+        online = [a for a in pc.algorithms() if a in ONLINE_ALGORITHMS] if pc.enabled else []
         micro_steps = pc.global_batch_size // pc.micro_batch_size  # micro-batches of one TRL step, all processes
         for algo in online:
             oc = getattr(pc, algo)
