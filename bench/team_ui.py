@@ -65,12 +65,7 @@ def page_text(driver) -> str:
 
 
 def wait_text(driver, needle: str, timeout: float = 60) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if needle in page_text(driver):
-            return True
-        time.sleep(1)
-    return False
+    return poll(lambda: needle in page_text(driver), timeout, every=1.0)
 
 
 def poll(predicate, timeout: float, every: float = 0.5):
@@ -112,11 +107,15 @@ def approve_in_the_form(driver, ui: str, api_url: str, run: dict, out: Path, see
         if not poll(lambda: driver.execute_script(script), 30):  # noqa: B023 (called at once)
             print(f"the approval form has no {what}", flush=True)
             return
-    submitted = poll(lambda: click_text(driver, "Submit"), 30)
-    if not submitted:
-        print("the approval form has no Submit button", flush=True)
-    seen["approved in the browser"] = bool(submitted and poll(
-        lambda: api(api_url, f"/flow_runs/{run['id']}")["state_type"] != "PAUSED", 60, every=1))
+    resumed = False
+    for _ in range(3):  # the UI does not retry a request the busy server refused ("Oops. Something went wrong.")
+        if not poll(lambda: click_text(driver, "Submit"), 30):
+            print("the approval form has no Submit button", flush=True)
+            break
+        if resumed := poll(lambda: api(api_url, f"/flow_runs/{run['id']}")["state_type"] != "PAUSED", 30, every=1):
+            break
+        print("the UI's resume did not reach the server; submitting again", flush=True)
+    seen["approved in the browser"] = bool(resumed)
 
 
 def main() -> int:
@@ -147,7 +146,8 @@ def main() -> int:
                                                                     "run.approve_before=[pretrain]",
                                                                     "pretrain.max_steps=10")])
         b = start("pipeline-b", gptforge + ["run", *config, *sets(*SMALL, f"run.root={work / 'b'}", "run.name=b",
-                                                                    "pretrain.max_steps=100000")])
+                                                                    "pretrain.max_steps=100000",
+                                                                    "pretrain.log_every=100")])  # few log writes
         paused = wait("A to pause at its gate", lambda: (r := pipeline_run(api_url, "a")) and
                       r["state_type"] == "PAUSED" and r, timeout=400)
         wait("B's pretrain to hold both slots", lambda: api(api_url, "/v2/concurrency_limits/gptforge-gpus")
