@@ -10,13 +10,10 @@ Resumes from its newest valid step checkpoint; exports a Hugging Face model dire
 
 from __future__ import annotations
 
-import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import DataError
@@ -24,14 +21,12 @@ from gptforge.data.batches import TokenWindows, document_positions, eval_batches
 from gptforge.data.shards import TokenStream, read_index
 from gptforge.model.lora import wrap
 from gptforge.model.build import build_model, flops_per_token, parameter_counts, peak_flops
-from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
-from gptforge.model.train.distributed import all_mean, barrier, setup_distributed
-from gptforge.model.train.engine import (build_config, deepspeed_config, grad_norm, init_engine, partitioned,
-                                         startup_oom, uses_bf16)
-from gptforge.model.export import export_model
-from gptforge.model.train.guard import StepGuard
+from gptforge.model.train.checkpoints import find_checkpoint
+from gptforge.model.train.distributed import all_mean, setup_distributed
+from gptforge.model.train.engine import (build_config, deepspeed_config, init_engine, partitioned, startup_oom,
+                                         uses_bf16)
+from gptforge.model.train.loop import TrainLoop
 from gptforge.model.train.losses import router_loss
-from gptforge.model.train.metrics import MetricsLog, Throughput
 from gptforge.model.train import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
@@ -122,23 +117,20 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     tiled_mlps = tile_mlps(model, mlp_shards(dist, local_len, arch.n_embd))
     model = wrap(model, pc.lora, "causal-lm", "pretrain.lora", checkpointing=dist.activation_checkpointing)
     n_params, n_active = parameter_counts(model)
-    ckpt_root = out_dir / "checkpoints"
-    ckpt, elastic = find_checkpoint(ckpt_root, rank, world)
+    ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))  # quoted if memory runs out
     engine, scheduler, grad_accum = init_engine(model, ds_config, pc, dist, elastic, verdict, sp and sp.mpu)
     if pc.compile:
         engine.compile()  # compiles in place: parameter names and checkpoints are unchanged
     loader = TokenWindows(train_tokens, pc.seq_len, pc.micro_batch_size, dp_rank, dp_world, seed=cfg.run.seed)
-    state = resume({"model": engine}, ckpt, elastic, rank, world, "pretrain")
-    step = state["step"] if state else 0
-    guard = StepGuard(pc, "pretrain", engine, device, rank, world)
-    if state:
-        loader.load_state_dict(state["loader"])
-        guard.load_state_dict(state.get("guard"))
-    log = MetricsLog(out_dir / "logs", rank, resume_step=step)
-
     tokens_per_step = pc.global_batch_size * pc.seq_len  # over all processes
     flops_tok, peak = flops_per_token(n_active, arch, pc.seq_len), peak_flops(device)
+
+    def mfu_of(tps: float | None) -> float | None:  # model FLOPs utilisation over all ranks
+        return flops_tok * tps / (peak * world) if peak and tps else None
+
+    loop = TrainLoop("pretrain", pc, engine, scheduler, grad_accum, loader, ckpt, elastic, out_dir, rank, world,
+                     device, tokens_per_step=tokens_per_step, mfu=mfu_of)
     if rank == 0:
         active = f" ({n_active / 1e6:.2f}M active)" if n_active != n_params else ""
         print(f"[pretrain] {cfg.model.name()}: {n_params / 1e6:.2f}M parameters{active}, world {world}, "
@@ -148,61 +140,28 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
               f"{f', logits in {tiles} tiles' if tiles > 1 else ''}"
               f"{f', {tiled_mlps} MLPs tiled' if tiled_mlps else ''}",
               flush=True)
-    bar = tqdm(total=pc.max_steps, initial=step, desc="pretrain", file=sys.stderr, disable=rank != 0,
-               mininterval=2.0)
-    train_loss = val_loss = float("nan")
-    throughput = Throughput()  # counts are global already
 
-    def mfu_of(tps: float | None) -> float | None:  # model FLOPs utilisation over all ranks
-        return flops_tok * tps / (peak * world) if peak and tps else None
-
-    first_step = step
-    while step < pc.max_steps:
-        t0 = time.perf_counter()
-        step_loss = step_aux = 0.0
-        for _ in range(grad_accum):
-            x, y = guard.next(loader.next)  # (B, T), (B, T)
-            with startup_oom(dist, pc, active=step == first_step, verdict=verdict):
+    val_loss = float("nan")
+    while loop.running():
+        for x, y in loop.micro_batches(loader.next):  # (B, T), (B, T)
+            with startup_oom(dist, pc, active=loop.step == loop.first_step, verdict=verdict):
                 loss, out = lm_loss(engine, *model_inputs(x, y, pc, index["eos_id"], device, sp), tiles)
-                step_loss += guard.observe(loss) / grad_accum  # at the boundary: is the step bad on any rank?
-                aux = router_loss(out, engine.module.config)
-                engine.backward(guard.gate(loss if aux is None else loss + aux) * (sp.backward_scale if sp else 1.0))
-                guard.step()  # DeepSpeed steps the optimizer and the lr at the accumulation boundary
-            step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
-        step, counts = guard.advance(step, {"model": engine}, ckpt_root)  # bad: skipped, or rolled back
-        if not counts:  # the data goes on past the bad batches
-            bar.n = step
+                aux = router_loss(out, engine.module.config)  # a mixture of experts' load balancing
+                loop.backward(loss, (loss if aux is None else loss + aux) * (sp.backward_scale if sp else 1.0),
+                              **({} if aux is None else {"aux_loss": out.aux_loss.item()}))
+        if not loop.advance():
             continue
-        throughput.step(time.perf_counter() - t0, tokens_per_step)
-        bar.update(1)
-        if step % pc.log_every == 0 or step == pc.max_steps:
-            train_loss = all_mean(step_loss, device)
-            tps = throughput.window_rate()
-            log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
-                    tokens_per_sec=tps, mfu=mfu_of(tps), bad_steps=guard.bad_steps,
-                    **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
-            if rank == 0:
-                mfu = mfu_of(tps)
-                tqdm.write(f"step {step:6d} | loss {train_loss:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                           f"{'n/a' if tps is None else f'{tps:,.0f}'} tok/s | "
-                           f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}", file=sys.stderr)
-        if step % pc.eval_every == 0 or step == pc.max_steps:
+        if loop.due(pc.log_every):
+            loop.log_train()
+        if loop.due(pc.eval_every):
             val_loss = evaluate(engine, val_tokens, pc, dp_rank, dp_world, device, index["eos_id"], tiles, sp)
-            log.log(step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
-        if step % pc.save_every == 0 and step < pc.max_steps:
-            save_step({"model": engine}, ckpt_root, step, {"step": step, "loader": loader.state_dict(),
-                      "guard": guard.state_dict()}, rank, world, pc.keep_last)
-    bar.close()
-    log.close()
+            loop.log.log(loop.step, val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
+        loop.save()
 
-    tokens_per_sec = throughput.rate()
-    export_model(engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
-    barrier()
-    return {"train_loss": round(train_loss, 6), "val_loss": round(val_loss, 6),
-            "val_ppl": round(float(torch.tensor(val_loss).exp()), 4),
-            "unigram_entropy": round(index["unigram_entropy"], 6), "tokens_per_sec": tokens_per_sec,
-            "mfu": round(mfu_of(tokens_per_sec), 4) if mfu_of(tokens_per_sec) else None, "global_step": step,
-            "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks,
+    metrics = loop.finish(tokenizer, out_dir, cfg.model.shard_bytes)
+    mfu = mfu_of(metrics["tokens_per_sec"])
+    return {**metrics, "val_loss": round(val_loss, 6), "val_ppl": round(float(torch.tensor(val_loss).exp()), 4),
+            "unigram_entropy": round(index["unigram_entropy"], 6), "mfu": round(mfu, 4) if mfu else None,
             "parameters": n_params, "active_parameters": n_active, "flops_per_token": flops_tok}
 
 

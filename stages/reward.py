@@ -13,13 +13,10 @@ Face sequence-classification directory (one label).
 from __future__ import annotations
 
 import random
-import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
 from gptforge.data import splits
@@ -27,14 +24,12 @@ from gptforge.data.chat import collate, encode_pairs
 from gptforge.data.batches import DistributedOrder
 from gptforge.model.lora import quantization, wrap
 from gptforge.model.attention import load_kwargs
-from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
-from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
+from gptforge.model.train.checkpoints import find_checkpoint
+from gptforge.model.train.distributed import all_sum, setup_distributed
+from gptforge.model.train.engine import deepspeed_config, frozen, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.eval.generation import generate
-from gptforge.model.export import export_model
-from gptforge.model.train.guard import StepGuard
+from gptforge.model.train.loop import TrainLoop
 from gptforge.model.train.losses import pairwise_reward_loss
-from gptforge.model.train.metrics import MetricsLog, Throughput
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_dtype, model_dir, prepare_tokenizer
 from gptforge.stages.entry import exit_process, main
@@ -137,55 +132,28 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     engine, scheduler, grad_accum = init_engine(model, ds_config, rc, dist, elastic,
                                                 partial(stage_verdict, cfg, rc, world, device, len(tokenizer)))
     order = DistributedOrder(len(train.examples), rc.micro_batch_size, rank, world, seed=cfg.run.seed)
-    state = resume({"model": engine}, ckpt, elastic, rank, world, "reward")
-    step = state["step"] if state else 0
-    guard = StepGuard(rc, "reward", engine, device, rank, world)
-    if state:
-        order.load_state_dict(state["loader"])
-        guard.load_state_dict(state.get("guard"))
-    log = MetricsLog(out_dir / "logs", rank, resume_step=step)
+    loop = TrainLoop("reward", rc, engine, scheduler, grad_accum, order, ckpt, elastic, out_dir, rank, world, device)
 
-    bar = tqdm(total=rc.max_steps, initial=step, desc="reward", file=sys.stderr, disable=rank != 0, mininterval=2.0)
-    train_loss = accuracy = margin = float("nan")
-    throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
-    while step < rc.max_steps:
-        t0, step_loss, step_acc, step_tokens = time.perf_counter(), 0.0, 0.0, 0
-        for _ in range(grad_accum):
-            batch = [train.examples[i] for i in guard.next(order.next_ids)]
+    accuracy = margin = float("nan")
+    while loop.running():
+        for ids in loop.micro_batches(order.next_ids):
+            batch = [train.examples[i] for i in ids]
             chosen, rejected = rewards(engine, batch, tokenizer.pad_token_id, device)
             loss = pairwise_reward_loss(chosen, rejected, rc.margin, rc.center_rewards_coefficient)
-            step_loss += guard.observe(loss) / grad_accum  # at the boundary: is the step bad on any rank?
-            engine.backward(guard.gate(loss))
-            guard.step()
-            step_acc += (chosen > rejected).float().mean().item() / grad_accum
-            step_tokens += sum(len(c) + len(r) for c, r in batch)
-        step, counts = guard.advance(step, {"model": engine}, out_dir / "checkpoints")  # bad: skipped, or rolled back
-        if not counts:  # the data goes on past the bad batches
-            bar.n = step
+            loop.backward(loss, tokens=sum(len(c) + len(r) for c, r in batch),
+                          train_reward_accuracy=(chosen > rejected).float().mean().item())
+        if not loop.advance():
             continue
-        throughput.step(time.perf_counter() - t0, step_tokens)
-        bar.update(1)
-        if step % rc.log_every == 0 or step == rc.max_steps:
-            train_loss = all_mean(step_loss, device)
-            log.log(step, loss=train_loss, train_reward_accuracy=all_mean(step_acc, device),
-                    lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine), tokens_per_sec=throughput.window_rate(),
-                    bad_steps=guard.bad_steps)
-        if step % rc.eval_every == 0 or step == rc.max_steps:
+        if loop.due(rc.log_every):
+            loop.log_train()
+        if loop.due(rc.eval_every):
             accuracy, margin = evaluate(engine, val.examples, rc.micro_batch_size, tokenizer.pad_token_id,
                                         rank, world, device)
-            log.log(step, reward_accuracy=accuracy, reward_margin=margin)
-        if step % rc.save_every == 0 and step < rc.max_steps:
-            save_step({"model": engine}, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
-                      "guard": guard.state_dict()}, rank, world, rc.keep_last)
-    bar.close()
-    log.close()
+            loop.log.log(loop.step, reward_accuracy=accuracy, reward_margin=margin)
+        loop.save()
 
-    tokens_per_sec = throughput.rate()
-    export_model(engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
-    barrier()
-    return {"reward_accuracy": round(accuracy, 6), "reward_margin": round(margin, 6),
-            "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,
-            "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks, "bad_rows": data.bad_rows,
+    return {**loop.finish(tokenizer, out_dir, cfg.model.shard_bytes), "reward_accuracy": round(accuracy, 6),
+            "reward_margin": round(margin, 6), "bad_rows": data.bad_rows,
             "policy_pairs": len(added), "policy_samples": sampled,
             "skipped_identical": train.skipped["identical_responses"] + val.skipped["identical_responses"],
             "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],

@@ -17,26 +17,21 @@ Generation on held-out items is the evaluation step's (gptforge.stages.evaluate)
 
 from __future__ import annotations
 
-import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from gptforge.core.config import PipelineConfig
 from gptforge.data import splits
 from gptforge.data.chat import collate, encode_conversations, model_batch, pack
 from gptforge.data.batches import DistributedOrder
 from gptforge.model.lora import wrap
-from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
-from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
-from gptforge.model.train.engine import build_config, deepspeed_config, grad_norm, init_engine, partitioned, uses_bf16
-from gptforge.model.export import export_model
-from gptforge.model.train.guard import StepGuard
+from gptforge.model.train.checkpoints import find_checkpoint
+from gptforge.model.train.distributed import all_sum, setup_distributed
+from gptforge.model.train.engine import build_config, deepspeed_config, init_engine, partitioned, uses_bf16
+from gptforge.model.train.loop import TrainLoop
 from gptforge.model.train.losses import router_loss
-from gptforge.model.train.metrics import MetricsLog, Throughput
 from gptforge.model.train import sequence_parallel
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
@@ -107,24 +102,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         print(f"[sft] {f'sequence parallel {sp.size} ({dp_world} data-parallel), ' if sp else ''}"
               f"logits in {tiles} tile(s)", flush=True)
     order = DistributedOrder(len(examples), sc.micro_batch_size, dp_rank, dp_world, seed=cfg.run.seed)
-    state = resume({"model": engine}, ckpt, elastic, rank, world, "sft")
-    step = state["step"] if state else 0
-    guard = StepGuard(sc, "sft", engine, device, rank, world)
-    if state:
-        order.load_state_dict(state["loader"])
-        guard.load_state_dict(state.get("guard"))
-    base_val_loss = state["base_val_loss"] if state else val_loss(engine, val.examples, sc.micro_batch_size,
-                                                                    tokenizer.pad_token_id, dp_rank, dp_world,
-                                                                    device, tiles, sp)
-    log = MetricsLog(out_dir / "logs", rank, resume_step=step)
+    loop = TrainLoop("sft", sc, engine, scheduler, grad_accum, order, ckpt, elastic, out_dir, rank, world, device)
+    base_val_loss = loop.state["base_val_loss"] if loop.state else val_loss(
+        engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_world, device, tiles, sp)
 
-    bar = tqdm(total=sc.max_steps, initial=step, desc="sft", file=sys.stderr, disable=rank != 0, mininterval=2.0)
-    train_loss = loss_val = float("nan")
-    throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
-    while step < sc.max_steps:
-        t0, step_loss, step_aux, step_tokens = time.perf_counter(), 0.0, 0.0, 0
-        for _ in range(grad_accum):
-            inputs, y, tokens = model_batch([examples[i] for i in guard.next(order.next_ids)], tokenizer.pad_token_id)
+    loss_val = float("nan")
+    while loop.running():
+        for ids in loop.micro_batches(order.next_ids):
+            inputs, y, tokens = model_batch([examples[i] for i in ids], tokenizer.pad_token_id)
             if sp is not None:  # this rank's slice of the rows; the loss is the group's token mean
                 inputs, y = sp.shard_batch(inputs["input_ids"], y)
                 tokens /= sp.size
@@ -135,41 +120,21 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             else:
                 summed, out = lm_loss(engine, inputs, y.to(device), tiles, reduction="sum")
                 loss, scaled = sp.group_mean(summed, (y != -100).sum())
-            step_loss += guard.observe(loss) / grad_accum  # at the boundary: is the step bad on any rank?
-            aux = router_loss(out, engine.module.config)
-            engine.backward(guard.gate(scaled if aux is None else scaled + aux * (sp.backward_scale if sp else 1.0)))
-            guard.step()
-            step_aux += 0.0 if aux is None else out.aux_loss.item() / grad_accum
-            step_tokens += tokens
-        step, counts = guard.advance(step, {"model": engine}, out_dir / "checkpoints")  # bad: skipped, or rolled back
-        if not counts:  # the data goes on past the bad batches
-            bar.n = step
+            aux = router_loss(out, engine.module.config)  # a mixture of experts' load balancing
+            loop.backward(loss, scaled if aux is None else scaled + aux * (sp.backward_scale if sp else 1.0), tokens,
+                          **({} if aux is None else {"aux_loss": out.aux_loss.item()}))
+        if not loop.advance():
             continue
-        throughput.step(time.perf_counter() - t0, step_tokens)
-        bar.update(1)
-        if step % sc.log_every == 0 or step == sc.max_steps:
-            train_loss = all_mean(step_loss, device)
-            log.log(step, loss=train_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm(engine),
-                    tokens_per_sec=throughput.window_rate(), bad_steps=guard.bad_steps,
-                    **({"aux_loss": all_mean(step_aux, device)} if aux is not None else {}))
-        if step % sc.eval_every == 0 or step == sc.max_steps:
+        if loop.due(sc.log_every):
+            loop.log_train()
+        if loop.due(sc.eval_every):
             loss_val = val_loss(engine, val.examples, sc.micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_world,
                                 device, tiles, sp)
-            log.log(step, val_loss=loss_val)
-        if step % sc.save_every == 0 and step < sc.max_steps:
-            state = {"step": step, "loader": order.state_dict(), "base_val_loss": base_val_loss,
-                     "guard": guard.state_dict()}
-            save_step({"model": engine}, out_dir / "checkpoints", step, state, rank, world, sc.keep_last)
-    bar.close()
-    log.close()
+            loop.log.log(loop.step, val_loss=loss_val)
+        loop.save(base_val_loss=base_val_loss)
 
-    tokens_per_sec = throughput.rate()
-    export_model(engine, tokenizer, out_dir / "model", rank, cfg.model.shard_bytes)
-    barrier()
-    return {"val_loss": round(loss_val, 6), "base_val_loss": round(base_val_loss, 6),
-            "train_loss": round(train_loss, 6), "global_step": step, "tokens_per_sec": tokens_per_sec,
-            "bad_steps": guard.bad_steps, "rollbacks": guard.rollbacks,
-            "bad_rows": data.bad_rows,
+    return {**loop.finish(tokenizer, out_dir, cfg.model.shard_bytes), "val_loss": round(loss_val, 6),
+            "base_val_loss": round(base_val_loss, 6), "bad_rows": data.bad_rows,
             "skipped_no_assistant_turn": train.skipped["no_assistant_turn"] + val.skipped["no_assistant_turn"],
             "skipped_too_long": train.skipped["too_long"] + val.skipped["too_long"],
             "truncated": train.truncated + val.truncated}
