@@ -1,8 +1,7 @@
-"""GRPO stage: online RL of the SFT policy with TRL's GRPOTrainer: num_generations completions a prompt,
-their rewards less the group's mean (divided by the group's or batch's std, or not: preference.grpo.scale_rewards)
-as the advantage. Rewarded by preference.rewards (gptforge.model.eval.rewards: the reward model, checkers of the
-reference answers, the user's functions or a reward server) on the online prompts (data.prompts), with an
-optional ptx term (the chosen responses' loss), under DeepSpeed ZeRO (accelerate launch).
+"""GRPO stage: online RL of the SFT policy with TRL's GRPOTrainer: num_generations completions a prompt, their
+rewards less the group's mean (divided by the group's or batch's std, or not: preference.grpo.scale_rewards) as
+the advantage. Rewarded by preference.rewards on the online prompts (data.prompts), with an optional ptx term,
+under DeepSpeed ZeRO (accelerate launch); the body it shares with rloo is gptforge.model.train.trl_online.
 
     gptforge stage grpo -c CONFIG      (finds its inputs and output in the stage store)
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.grpo \\
@@ -16,56 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
-from gptforge.data import splits
-from gptforge.data.chat import ChosenRows
-from gptforge.model.train.checkpoints import no_pickled_code
-from gptforge.model.train.distributed import barrier, setup_distributed
-from gptforge.model.train.engine import uses_bf16
-from gptforge.model.eval.generation import policy_and_judge
-from gptforge.model.export import export_trainer
-from gptforge.model.eval import rewards
-from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask,
-                                             prompts_dataset, resume_point, trainer_kwargs, use_reference, with_ptx)
-from gptforge.model.train import sequence_parallel
-from gptforge.model.pretrained import load_policy, reference_dir
+from gptforge.model.train import trl_online
 from gptforge.stages.entry import exit_process, main
 
 
-
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    pc, oc, dist = cfg.preference, cfg.preference.grpo, cfg.distributed
-    rank, world, device = setup_distributed(cfg.distributed)
-    from trl import GRPOConfig, GRPOTrainer  # after setup_distributed, whose environment spares TRL's import of MLflow
-    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
-    scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
-    trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
-    args = GRPOConfig(**trainer_kwargs(pc, dist, dist.data_parallel("grpo"), out_dir, cfg.run.seed), beta=pc.beta,
-                      num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
-                      temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
-                      reward_weights=trl_rewards.pop("reward_weights"), scale_rewards=oc.scale_rewards)
-    trainer_cls = GRPOTrainer
-    if oc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
-        rows = ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
-                          oc.ptx_rows(pc.micro_batch_size, world, args.gradient_accumulation_steps),
-                          rank, world, cfg.run.seed)
-        trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
-    metrics = TrainerMetrics(out_dir / "logs")
-    policy = positions_from_mask(load_policy(sft_dir, cfg, uses_bf16(dist, device)))
-    trainer_cls = sequence_parallel.trainer(trainer_cls, policy, dist, pc.micro_batch_size, "grpo")
-    trainer = trainer_cls(model=policy, args=args, train_dataset=prompts_dataset(prompts),
-                          processing_class=tokenizer, callbacks=[metrics, Checkpoints()], **trl_rewards)
-    rewards.name_rewards(trainer, scoring)  # logged as rewards/<label>
-    if pc.reference and pc.beta:
-        use_reference(trainer, reference_dir(cfg, inputs), cfg.model)
-    if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
-        positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
-    with no_pickled_code():
-        resumed = resume_point(out_dir, "grpo", rank, world)
-        guard = TrainerGuard(trainer, pc, "grpo", out_dir, resumed)
-        trainer.train(resume_from_checkpoint=resumed)
-    export_trainer(trainer, tokenizer, out_dir / "model", cfg.model.shard_bytes)
-    barrier()
-    return {"global_step": trainer.state.global_step, **metrics.final(), **guard.final()}
+    return trl_online.train(cfg, inputs, out_dir, "grpo", "GRPO", scale_rewards=cfg.preference.grpo.scale_rewards)
 
 
 if __name__ == "__main__":

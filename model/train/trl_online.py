@@ -1,0 +1,66 @@
+"""The body the grpo and rloo stages share: TRL's online trainer (GRPOTrainer or RLOOTrainer) on the SFT policy,
+rewarded by preference.rewards (gptforge.model.eval.rewards: the reward model, checks of the reference answers,
+the user's functions or a reward server) on the online prompts (data.prompts), with an optional ptx term (the
+chosen responses' loss), sequence parallelism where set, our metrics, checkpoints, guard and resume. The two
+algorithms differ only in their advantage (the group's mean against the leave-one-out mean), which is TRL's; each
+stage names its trainer and its own arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from gptforge.core.config import PipelineConfig
+from gptforge.data import splits
+from gptforge.data.chat import ChosenRows
+from gptforge.model.eval import rewards
+from gptforge.model.eval.generation import policy_and_judge
+from gptforge.model.export import export_trainer
+from gptforge.model.pretrained import load_policy, reference_dir
+from gptforge.model.train import sequence_parallel
+from gptforge.model.train.checkpoints import no_pickled_code
+from gptforge.model.train.distributed import barrier, setup_distributed
+from gptforge.model.train.engine import uses_bf16
+from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask,
+                                             prompts_dataset, resume_point, trainer_kwargs, use_reference, with_ptx)
+
+
+def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: str, trainer: str,
+          **algorithm_args) -> dict:
+    """Train the policy with TRL's `<trainer>Config` and `<trainer>Trainer` (`trainer`: "GRPO" or "RLOO"), the
+    shared arguments from preference and preference.<stage>, plus the algorithm's own `algorithm_args`; export it
+    to `out_dir/model` and return the stage's metrics."""
+    pc, oc, dist = cfg.preference, getattr(cfg.preference, stage), cfg.distributed
+    rank, world, device = setup_distributed(cfg.distributed)
+    trl = importlib.import_module("trl")  # after setup_distributed, whose environment spares TRL's import of MLflow
+    config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
+    sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
+    scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
+    trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
+    args = config_cls(**trainer_kwargs(pc, dist, dist.data_parallel(stage), out_dir, cfg.run.seed), beta=pc.beta,
+                      num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
+                      temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
+                      reward_weights=trl_rewards.pop("reward_weights"), **algorithm_args)
+    if oc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
+        rows = ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
+                          oc.ptx_rows(pc.micro_batch_size, world, args.gradient_accumulation_steps),
+                          rank, world, cfg.run.seed)
+        trainer_cls = with_ptx(trainer_cls, rows, oc.ptx_coef)
+    metrics = TrainerMetrics(out_dir / "logs")
+    policy = positions_from_mask(load_policy(sft_dir, cfg, uses_bf16(dist, device)))
+    trainer_cls = sequence_parallel.trainer(trainer_cls, policy, dist, pc.micro_batch_size, stage)
+    trainer = trainer_cls(model=policy, args=args, train_dataset=prompts_dataset(prompts),
+                          processing_class=tokenizer, callbacks=[metrics, Checkpoints()], **trl_rewards)
+    rewards.name_rewards(trainer, scoring)  # logged as rewards/<label>
+    if pc.reference and pc.beta:
+        use_reference(trainer, reference_dir(cfg, inputs), cfg.model)
+    if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
+        positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
+    with no_pickled_code():
+        resumed = resume_point(out_dir, stage, rank, world)
+        guard = TrainerGuard(trainer, pc, stage, out_dir, resumed)
+        trainer.train(resume_from_checkpoint=resumed)
+    export_trainer(trainer, tokenizer, out_dir / "model", cfg.model.shard_bytes)
+    barrier()
+    return {"global_step": trainer.state.global_step, **metrics.final(), **guard.final()}
