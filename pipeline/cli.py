@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import ConfigError, UserError, storage_error
+from gptforge.pipeline.report import metrics_table
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -275,19 +276,6 @@ def cmd_plan(args) -> int:
     print(render(plan, name, args.gpus, args.gpu_mem, seq_len, section.micro_batch_size,
                  args.tokens is not None, args.peak_tflops, args.mfu, cfg.distributed.activation_checkpointing))
     return 0
-
-
-def metrics_table(metrics: dict[str, dict]) -> str:
-    """Markdown table: one row per stage, its final metrics as key=value."""
-    rows = ["| stage | metrics |", "| --- | --- |"]
-    for stage, m in metrics.items():
-        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in m.items() if not k.endswith("sha256"))
-        rows.append(f"| {stage} | {shown} |")
-    return "\n".join(rows)
-
-
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def build_parser() -> argparse.ArgumentParser:

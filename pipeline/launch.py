@@ -26,7 +26,7 @@ from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import StageFailed, UserError
 from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
 from gptforge.pipeline.team import gpu_slots
-from gptforge.pipeline.store import RunRecord, check_inputs, complete, locate, now, read_manifest, read_result
+from gptforge.pipeline.store import RunRecord, check_inputs, complete, locate, now, read_result, reuse
 from gptforge.stages.registry import STAGES
 
 
@@ -52,21 +52,19 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
     complete output first, under the stage's lock."""
     out_dir, fingerprint, inputs = locate(cfg, stage)
     started = time.perf_counter()
-    manifest = None if recompute else read_manifest(out_dir)
-    if manifest is not None:
-        log(f"{stage}: reused complete output {out_dir} (fingerprint {fingerprint[:16]})")
+
+    def reused(manifest: dict) -> dict:
         record.update(stage, output=str(out_dir), action="reused", status="complete", started_at=now(),
                       finished_at=now(), seconds=round(time.perf_counter() - started, 2), metrics=manifest["metrics"])
         return manifest
+
+    if not recompute and (manifest := reuse(stage, out_dir, log)) is not None:
+        return reused(manifest)
     check_inputs(stage, inputs)
     # everything that writes the output happens under the lock, --from's removal too
     with stage_lock(out_dir, wait=not recompute, log=log):
-        if not recompute and (manifest := read_manifest(out_dir)) is not None:  # the run we waited for made it
-            log(f"{stage}: reused the output another run completed while we waited: {out_dir}")
-            record.update(stage, output=str(out_dir), action="reused", status="complete", started_at=now(),
-                          finished_at=now(), seconds=round(time.perf_counter() - started, 2),
-                          metrics=manifest["metrics"])
-            return manifest
+        if not recompute and (manifest := reuse(stage, out_dir, log)) is not None:  # the run we waited for made it
+            return reused(manifest)
         if recompute and out_dir.exists():
             shutil.rmtree(out_dir)
         action = "resumed" if (out_dir / "checkpoints").is_dir() else "computed"

@@ -110,10 +110,20 @@ def make_plots(stages: dict, plots_dir: Path) -> list[str]:
     return names
 
 
-def _fmt(v) -> str:
+def number(v) -> str:
+    """A metric's value as the reports show it: thousands separated, floats to 4 significant digits."""
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+
+def metrics_table(metrics: dict[str, dict]) -> str:
+    """Markdown table: one row per stage, its final metrics as key=value."""
+    rows = ["| stage | metrics |", "| --- | --- |"]
+    for stage, m in metrics.items():
+        shown = ", ".join(f"{k}={number(v)}" for k, v in m.items() if not k.endswith("sha256"))
+        rows.append(f"| {stage} | {shown} |")
+    return "\n".join(rows)
 
 
 def duration(seconds: float) -> str:
@@ -129,7 +139,7 @@ def stage_table(stage: str, info: dict) -> str:
     seconds = info.get("seconds")
     head = ["stage", "action", "time"] + keys
     cells = [name, info.get("action", ""), duration(seconds) if isinstance(seconds, (int, float)) else ""]
-    cells += [_fmt(m[k]) + (f" ± {_fmt(m[k + '_stderr'])}" if m.get(k + "_stderr") is not None else "")
+    cells += [number(m[k]) + (f" ± {number(m[k + '_stderr'])}" if m.get(k + "_stderr") is not None else "")
               for k in keys]  # an estimate with its standard error
     table = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), "| " + " | ".join(cells) + " |"]
     notes = [f"\nNot computed: {m['unscored']}."] if m.get("unscored") else []

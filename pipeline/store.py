@@ -25,7 +25,7 @@ from gptforge.core.errors import DataError, InputError
 from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
-from gptforge.stages.entry import RESULT, run_stage
+from gptforge.stages.entry import RESULT, run_rank
 from gptforge.stages.registry import EVALUATED, STAGES
 
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
@@ -220,14 +220,22 @@ def complete(cfg: PipelineConfig, step: str, out_dir: Path, fingerprint: str, in
     return manifest
 
 
+def reuse(step: str, out_dir: Path, log=print) -> dict | None:
+    """The manifest of a step's complete output, said to `log` as reused; None where there is none to reuse. The
+    one way a finished output is taken instead of computed: in a pipeline (gptforge.pipeline.launch) and in one
+    process (`execute`)."""
+    manifest = read_manifest(out_dir)
+    if manifest is not None:
+        log(f"{step}: reused complete output {out_dir} (fingerprint {manifest['fingerprint'][:16]})")
+    return manifest
+
+
 def execute(cfg: PipelineConfig, step: str, run=None, outputs: dict[str, str] | None = None) -> dict:
     """Reuse a step's complete output, or run the step in this process (one rank of it under a launcher)
     and record it complete (rank 0); return its manifest. `run` and `outputs` default to the stage's."""
     run, outputs = run or stage_run(step), outputs or STAGES[step].outputs
     out_dir, fingerprint, inputs = locate(cfg, step)
-    manifest = read_manifest(out_dir)
-    if manifest is not None:
-        print(f"[{step}] reusing complete output {out_dir}", flush=True)
+    if (manifest := reuse(step, out_dir)) is not None:
         return manifest
     check_inputs(step, inputs)
     rank = int(os.environ.get("RANK", "0"))
@@ -235,7 +243,7 @@ def execute(cfg: PipelineConfig, step: str, run=None, outputs: dict[str, str] | 
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / MANIFEST).unlink(missing_ok=True)  # a stale or corrupted output is recomputed
     started = now()
-    result = run_stage(run, cfg, {up: d for up, (d, _) in inputs.items()}, out_dir, step)
+    result = run_rank(run, cfg, {up: d for up, (d, _) in inputs.items()}, out_dir, step)
     if rank != 0:
         return {"stage": step, "status": "complete", **result}
     manifest = complete(cfg, step, out_dir, fingerprint, inputs, outputs, result, started)

@@ -35,7 +35,7 @@ def stage_args(config_path: Path, out_dir: Path, inputs: dict[str, Path]) -> lis
     return args
 
 
-def run_stage(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, name: str = "") -> dict:
+def run_rank(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, name: str = "") -> dict:
     """Run a stage in this process (one rank of it under a launcher); rank 0 writes result.json last. `name`:
     the stage's, for the tracker (a stage in the store is named by its folder there)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -87,7 +87,7 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
     try:
         inputs = dict(_input(item) for item in args.input)
         cfg = load_config(args.config, args.set)
-        run_stage(run, cfg, inputs, args.out, stage)
+        run_rank(run, cfg, inputs, args.out, stage)
         from gptforge.model.train.distributed import end_distributed  # torch: only in a stage's processes
 
         end_distributed()

@@ -128,4 +128,4 @@ def test_a_stage_runs_from_a_folder_with_its_own_model_and_data(small_cfg, tmp_p
     assert "tokenize" in proc.stdout and "imported the user" not in proc.stderr
     again = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "stage", "tokenize", "-c", "pipeline.yaml"],
                            cwd=work, capture_output=True, text=True)
-    assert again.returncode == 0 and "reusing complete output" in again.stdout, again.stderr[-3000:]
+    assert again.returncode == 0 and "reused complete output" in again.stdout, again.stderr[-3000:]
