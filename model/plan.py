@@ -229,14 +229,13 @@ def device_memory_gib(device: torch.device) -> float | None:
     return host / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def long_context(cfg, stage: str, seq_len: int, micro_batch: int, vocab_size: int, hidden: int) -> LongContext:
-    """A stage's LongContext as the config runs it (gptforge.model.train.tiling and .sequence_parallel decide)."""
-    from gptforge.core.config import SEQUENCE_PARALLEL_STAGES
+def long_context(cfg, stage: str, sp: int, seq_len: int, micro_batch: int, vocab_size: int,
+                 hidden: int) -> LongContext:
+    """A stage's LongContext as the config runs it (gptforge.model.train.tiling and .sequence_parallel decide);
+    `sp`: the ranks that share each of its sequences (1 where the stage takes no sequence parallelism)."""
     from gptforge.model.train.tiling import logit_tiles, mlp_shards
 
     dist = cfg.distributed
-    stages = cfg.preference.algorithms() if stage == "preference" else [stage]  # a section: the stages it runs
-    sp = dist.sequence_parallel if all(s in SEQUENCE_PARALLEL_STAGES for s in stages) else 1
     local = seq_len // sp
     flash = cfg.model.attention.startswith("flash")
     return LongContext(sp, logit_tiles(dist, micro_batch, local, vocab_size), mlp_shards(dist, local, hidden),
@@ -244,7 +243,7 @@ def long_context(cfg, stage: str, seq_len: int, micro_batch: int, vocab_size: in
                        scores=cfg.model.attention == "eager")
 
 
-def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int) -> str:
+def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int, sp: int = 1) -> str:
     """The planner's verdict for a stage as configured (the preset or model.pretrained, its micro-batch, sequence
     length and lora, the distributed section's ZeRO stage, offload and checkpointing, this device's memory), for an
     out-of-memory message."""
@@ -256,7 +255,7 @@ def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int)
     stage = type(train).__name__.removesuffix("Section").lower()
     p = make_plan(arch, vocab_size, seq_len, train.micro_batch_size, world, gpus_per_node=dist.nproc_per_node,
                   config=config, lora=train.lora,
-                  lc=long_context(cfg, stage, seq_len, train.micro_batch_size, vocab_size, arch.n_embd))
+                  lc=long_context(cfg, stage, sp, seq_len, train.micro_batch_size, vocab_size, arch.n_embd))
     line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world,
                    device_memory_gib(device))
     return f"the planner ({cfg.model.name()}): {line}"

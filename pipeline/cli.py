@@ -10,9 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from gptforge.core.config import load_config
+from gptforge.core.config import ALGORITHMS, load_config
 from gptforge.core.errors import ConfigError, UserError, storage_error
 from gptforge.pipeline.report import metrics_table
+from gptforge.stages.registry import STAGES
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -179,7 +180,6 @@ def cmd_stage(args) -> int:
     """One stage in this process (one rank of it under a launcher: rank 0 records it)."""
     from gptforge.pipeline.nodes import single_process
     from gptforge.pipeline.store import RunRecord, execute, now
-    from gptforge.stages.registry import STAGES
 
     cfg = load_config(args.config, args.set)
     if args.stage not in STAGES:
@@ -264,14 +264,15 @@ def cmd_plan(args) -> int:
     from gptforge.model.pretrained import architecture
 
     cfg = load_config(args.config, args.set)
-    section = getattr(cfg, args.stage)
+    section = cfg.preference if args.stage in ALGORITHMS else getattr(cfg, args.stage)
+    sp = cfg.distributed.sequence_parallel if STAGES[args.stage].sequence_parallel else 1
     arch, config = architecture(cfg.model)  # model.pretrained: its config.json
     default_len = cfg.pretrain.seq_len if args.stage == "pretrain" else section.max_length
     seq_len = default_len if args.seq_len is None else args.seq_len
     vocab = args.vocab_size or arch.vocab_size
     plan = make_plan(arch, vocab, seq_len, section.micro_batch_size, args.gpus, args.tokens, args.peak_tflops,
                      args.mfu, args.gpus_per_node, config, section.lora,
-                     long_context(cfg, args.stage, seq_len, section.micro_batch_size, vocab, arch.n_embd))
+                     long_context(cfg, args.stage, sp, seq_len, section.micro_batch_size, vocab, arch.n_embd))
     name = cfg.model.name() + (f", {args.stage} with LoRA r={section.lora.r}" if section.lora.r else "")
     print(render(plan, name, args.gpus, args.gpu_mem, seq_len, section.micro_batch_size,
                  args.tokens is not None, args.peak_tflops, args.mfu, cfg.distributed.activation_checkpointing))
@@ -348,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs a node (host memory is per node)")
     pl.add_argument("--gpu-mem", type=float, default=None, help="GPU memory in GiB, to say what fits")
     pl.add_argument("--tokens", type=float, default=None, help="training tokens (default: 20 per parameter)")
-    pl.add_argument("--stage", choices=["pretrain", "sft", "reward", "preference"], default="pretrain",
-                    help="the training section planned: its micro-batch, length and lora")
+    pl.add_argument("--stage", choices=[s.name for s in STAGES.values() if s.launcher != "single"],
+                    default="pretrain", help="the training stage planned: its section's micro-batch, length and lora")
     pl.add_argument("--seq-len", type=int, default=None, help="default: the stage's seq_len or max_length")
     pl.add_argument("--vocab-size", type=int, default=None, help="default: the preset's vocabulary")
     pl.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200: 989)")

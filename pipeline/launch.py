@@ -24,6 +24,7 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import StageFailed, UserError
+from gptforge.pipeline.preflight import check_devices
 from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
 from gptforge.pipeline.team import gpu_slots
 from gptforge.pipeline.store import RunRecord, check_inputs, complete, locate, now, read_result, reuse
@@ -61,6 +62,7 @@ def run_stage(cfg: PipelineConfig, stage: str, config_path: Path, record: RunRec
     if not recompute and (manifest := reuse(stage, out_dir, log)) is not None:
         return reused(manifest)
     check_inputs(stage, inputs)
+    check_devices(cfg, [stage], here=True)  # on the host it starts on: a worker's, where a pool sent it
     # everything that writes the output happens under the lock, --from's removal too
     with stage_lock(out_dir, wait=not recompute, log=log):
         if not recompute and (manifest := reuse(stage, out_dir, log)) is not None:  # the run we waited for made it

@@ -41,8 +41,17 @@ SLURM_NODE = "__SLURM_NODEID__"  # replaced by $SLURM_NODEID in the srun command
 def single_process(cfg: PipelineConfig, step: str) -> bool:
     """Tokenizing (its own Ray workers) runs as one process, without a launcher; so does evaluation unless it
     runs on every process (`eval.processes`)."""
-    evaluation_on_every_rank = step.startswith("eval-") and cfg.eval.distributed(cfg.distributed)
-    return STAGES[step].launcher == "single" and not evaluation_on_every_rank
+    return STAGES[step].launcher == "single" and not (step.startswith("eval-") and evaluation_on_every_rank(cfg))
+
+
+def evaluation_on_every_rank(cfg: PipelineConfig) -> bool:
+    """Whether an evaluation step runs on every process of the distributed layout (`eval.processes`); auto: where
+    the stage starts has a GPU, or its nodes are reached over ssh or slurm."""
+    if cfg.eval.processes != "auto":
+        return cfg.eval.processes == "all"
+    import torch  # (the host that starts the stage decides: a CPU head node sending it to a GPU pool does not)
+
+    return torch.cuda.is_available() or cfg.distributed.node_launcher != "local"
 
 
 def launcher_of(cfg: PipelineConfig, stage: str) -> str:

@@ -2,6 +2,9 @@
 run`, the pipeline flow (a run started from the UI or a schedule) and `gptforge deploy` call it, so that a bad
 input is one `error:` line and nothing has trained.
 
+- the layout each stage takes (gptforge.stages.registry): what a sequence-parallel online stage cannot share;
+- the devices: a stage that loads its base through bitsandbytes (`<stage>.lora.quantize`) and starts on this host
+  needs a GPU here; one sent to a work pool is checked by its worker, so a CPU head node validates a GPU config;
 - the harness tasks of `eval.harness_tasks` exist;
 - the named models load (`model.pretrained`, `reward.pretrained`, `preference.reward_model`, ...), their adapters
   match something;
@@ -19,12 +22,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from gptforge.core.config import ONLINE_ALGORITHMS, PipelineConfig, dump_config
+from gptforge.core.config import ALGORITHMS, ONLINE_ALGORITHMS, PipelineConfig, dump_config
+from gptforge.core.errors import ConfigError
 from gptforge.model.eval.harness import check_tasks
 from gptforge.model.eval.rewards import REWARD_MODEL, user_function
 from gptforge.model.pretrained import check_models
 from gptforge.pipeline.store import fingerprints, pipeline_steps
-from gptforge.pipeline.team import check_team
+from gptforge.pipeline.team import check_team, pool_of
+from gptforge.stages.registry import STAGES, data_parallel
 
 CHECKED: set[tuple[str, tuple[str, ...], bool]] = set()  # checked, and not asked again since
 
@@ -40,6 +45,8 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     if key in CHECKED:  # `gptforge run` checks before its server starts, and its flow at once asks again (as
         CHECKED.discard(key)  # for a run from the UI): that second ask is answered; any later run checks anew
         return
+    check_layout(cfg, steps)
+    check_devices(cfg, selected)
     if cfg.eval.harness_tasks:
         check_tasks(cfg.eval)
     check_models(cfg)
@@ -48,6 +55,40 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rewards(cfg, selected, log)
     CHECKED.add(key)
+
+
+def check_layout(cfg: PipelineConfig, steps: list[str]) -> None:
+    """What an online stage that takes sequence parallelism cannot share over its sequence-parallel groups."""
+    pc, sp = cfg.preference, cfg.distributed.sequence_parallel
+    for algo in (s for s in steps if s in ONLINE_ALGORITHMS and STAGES[s].sequence_parallel and sp > 1):
+        oc, groups = getattr(pc, algo), data_parallel(cfg.distributed, algo)
+        if oc.ptx_coef:
+            raise ConfigError(f"preference.{algo}.ptx_coef with distributed.sequence_parallel={sp}: the ptx rows are "
+                              "each rank's own, which a sequence-parallel group cannot share; set one of them off")
+        if pc.global_batch_size // groups % oc.num_generations:
+            raise ConfigError(f"preference.{algo}.num_generations={oc.num_generations} with distributed."
+                              f"sequence_parallel={sp}: a group's rollouts a step (preference.global_batch_size over "
+                              f"the {groups} data-parallel groups = {pc.global_batch_size // groups}) must hold whole "
+                              "prompt groups")
+
+
+def check_devices(cfg: PipelineConfig, steps: list[str], here: bool = False) -> None:
+    """A stage whose base loads through bitsandbytes needs a GPU where it starts: on this host, unless a work pool
+    takes it; `here`: the stage starts on this host whatever the pools (gptforge.pipeline.launch asks so, on the
+    worker that runs it)."""
+    for step in steps:
+        section = "preference" if step in ALGORITHMS else step
+        if section not in ("pretrain", "sft", "reward", "preference") or (pool_of(cfg, step) and not here):
+            continue
+        quantize = getattr(cfg, section).lora.quantize
+        if not quantize:
+            continue
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{section}.lora.quantize={quantize} loads the base through bitsandbytes, which needs "
+                              "a GPU; there is none on this host: set it to null, or send the stage to a GPU work "
+                              "pool (run.work_pools)")
 
 
 def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], None]) -> None:

@@ -20,13 +20,13 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from gptforge.core.config import ALGORITHMS, PipelineConfig, named_models, pipeline_stages, result_fields
+from gptforge.core.config import ALGORITHMS, PipelineConfig, result_fields
 from gptforge.core.errors import DataError, InputError
 from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.stages.entry import RESULT, run_rank
-from gptforge.stages.registry import EVALUATED, STAGES
+from gptforge.stages.registry import EVALUATED, STAGES, named_models, pipeline_stages
 
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
 
@@ -110,7 +110,7 @@ def lineage(cfg: PipelineConfig, step: str) -> list[str]:
 
 
 def base_model(cfg: PipelineConfig, step: str) -> dict | None:
-    """What identifies the models a step reads by name (gptforge.core.config.named_models): their settings and
+    """What identifies the models a step reads by name (gptforge.stages.registry.named_models): their settings and
     their content (a hub name's resolved commit, a local directory's files)."""
     named = named_models(cfg, step)
     if not named:

@@ -16,10 +16,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.events import DeploymentEventTrigger, emit_event
 
-from gptforge.core.config import PipelineConfig, load_config, named_models
+from gptforge.core.config import PipelineConfig, load_config
 from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.pipeline.store import data_of, digest_cache, pipeline_steps
+from gptforge.stages.registry import named_models
 
 EVENT = "gptforge.data.changed"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

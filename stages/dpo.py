@@ -26,6 +26,7 @@ from gptforge.model.train import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.entry import exit_process, main
+from gptforge.stages.registry import data_parallel
 
 
 
@@ -51,7 +52,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     "data.preference")
 
     loss_type = pc.dpo.loss_type
-    args = DPOConfig(**trainer_kwargs(pc, dist, dist.data_parallel("dpo"), out_dir, cfg.run.seed), beta=pc.beta,
+    args = DPOConfig(**trainer_kwargs(pc, dist, data_parallel(dist, "dpo"), out_dir, cfg.run.seed), beta=pc.beta,
                      loss_type=[loss_type] if isinstance(loss_type, str) else loss_type, max_length=pc.max_length)
     metrics = TrainerMetrics(out_dir / "logs")
     policy = load_policy(sft_dir, cfg, uses_bf16(dist, device))

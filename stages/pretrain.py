@@ -32,6 +32,7 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
 from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 from gptforge.stages.entry import exit_process, main
+from gptforge.stages.registry import data_parallel
 
 
 
@@ -90,7 +91,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     rank, world, device = setup_distributed(cfg.distributed)
     tokenizer, index, train_tokens, val_tokens = load_data(inputs["tokenize"] / "tokenizer",
                                                            inputs["tokenize"] / "shards")
-    dp_world = dist.data_parallel("pretrain")  # sequence parallelism: groups of ranks share each window
+    dp_world = data_parallel(dist, "pretrain")  # sequence parallelism: groups of ranks share each window
     check_enough(train_tokens, val_tokens, pc, dp_world)
     torch.manual_seed(cfg.run.seed)
     arch, _ = architecture(cfg.model)
@@ -118,7 +119,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     model = wrap(model, pc.lora, "causal-lm", "pretrain.lora", checkpointing=dist.activation_checkpointing)
     n_params, n_active = parameter_counts(model)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
-    verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer))  # quoted if memory runs out
+    verdict = partial(stage_verdict, cfg, pc, world, device, len(tokenizer), world // dp_world)  # if memory runs out
     engine, scheduler, grad_accum = init_engine(model, ds_config, pc, dist, elastic, verdict, sp and sp.mpu)
     if pc.compile:
         engine.compile()  # compiles in place: parameter names and checkpoints are unchanged

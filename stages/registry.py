@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gptforge.core.config import ALGORITHMS
+from gptforge.core.config import ALGORITHMS, DistributedSection, PipelineConfig, tokenizer_source
 from gptforge.core.files import MODEL_OUTPUTS
 
 
@@ -27,7 +27,9 @@ class Stage:
     - `launcher`: `single` (one process, no launcher), `ranks` (every rank under distributed.launcher) or
       `accelerate` (every rank, with accelerate's environment: a TRL Trainer);
     - `code_version`: raised when its code computes something else from the same config and inputs, so that
-      stored outputs (and what follows them) are recomputed rather than reused.
+      stored outputs (and what follows them) are recomputed rather than reused;
+    - `sequence_parallel`: whether distributed.sequence_parallel ranks share each of its sequences (DeepSpeed-
+      Ulysses), its data parallelism over the rest (`data_parallel`).
     """
 
     name: str
@@ -37,6 +39,7 @@ class Stage:
     outputs: dict[str, str] = field(default_factory=lambda: dict(MODEL_OUTPUTS))
     launcher: str = "ranks"
     code_version: int = 1
+    sequence_parallel: bool = False
 
 
 EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
@@ -44,13 +47,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     # tokenize 2: streamed in units, shards format 2 (index with counts and max id). Its own Ray workers.
     Stage("tokenize", "tokenize", data="pretrain", outputs={"tokenizer": "tokenizer", "shards": "shards"},
           launcher="single", code_version=2),
-    Stage("pretrain", "pretrain", ("tokenize",)),
-    Stage("sft", "sft", ("pretrain",), data="sft"),
+    Stage("pretrain", "pretrain", ("tokenize",), sequence_parallel=True),
+    Stage("sft", "sft", ("pretrain",), data="sft", sequence_parallel=True),
     Stage("reward", "reward", ("sft",), data="preference"),
-    Stage("dpo", "dpo", ("sft",), data="preference", launcher="accelerate"),  # DPO needs no reward model
+    Stage("dpo", "dpo", ("sft",), data="preference", launcher="accelerate",  # DPO needs no reward model
+          sequence_parallel=True),
     Stage("ppo", "ppo", ("sft", "reward"), data="preference"),
-    Stage("grpo", "grpo", ("sft", "reward"), data="preference", launcher="accelerate"),
-    Stage("rloo", "rloo", ("sft", "reward"), data="preference", launcher="accelerate"),
+    Stage("grpo", "grpo", ("sft", "reward"), data="preference", launcher="accelerate", sequence_parallel=True),
+    Stage("rloo", "rloo", ("sft", "reward"), data="preference", launcher="accelerate", sequence_parallel=True),
     # evaluation steps: one process unless eval.processes (gptforge.core.config.EvalSection.distributed)
     Stage("eval-sft", "evaluate", ("sft", "pretrain"), outputs=EVAL_OUTPUTS, launcher="single"),
     *[Stage(f"eval-{a}", "evaluate", (a, "sft", "reward"), outputs=EVAL_OUTPUTS, launcher="single")
@@ -62,3 +66,47 @@ EVALUATED = tuple(s.name.removeprefix("eval-") for s in STAGES.values() if s.nam
 def stage(step: str) -> Stage:
     """The declaration of a step."""
     return STAGES[step]
+
+
+def data_parallel(dist: DistributedSection, step: str) -> int:
+    """The data-parallel world of a step: the world, over distributed.sequence_parallel where the step takes it."""
+    return dist.world_size // (dist.sequence_parallel if STAGES[step].sequence_parallel else 1)
+
+
+def pipeline_stages(cfg: PipelineConfig) -> list[str]:
+    """Stage names in order, the preference stage named after each algorithm; disabled stages left out (tokenize
+    too when the pipeline starts from model.pretrained without pretraining it, and reward when
+    preference.reward_model names a ready one or preference.rewards has no reward model)."""
+    names = ["tokenize"] if cfg.pretrain.enabled or not cfg.model.pretrained else []
+    for name in ("pretrain", "sft"):
+        if getattr(cfg, name).enabled:
+            names.append(name)
+    if cfg.trains_reward_model():
+        names.append("reward")
+    if cfg.preference.enabled:
+        names.extend(cfg.preference.algorithms())
+    return names
+
+
+def named_models(cfg: PipelineConfig, step: str) -> dict[str, tuple[str, str | None]]:
+    """The models a step reads by name rather than from an upstream stage's output: {config key: (hub name or
+    directory, revision)}."""
+    out = {}
+    if step == "tokenize":
+        name, revision = tokenizer_source(cfg)
+        if name:
+            out["tokenizer.pretrained" if cfg.tokenizer.pretrained else "model.pretrained"] = (name, revision)
+    if cfg.model.pretrained and (step == "pretrain" or (step in ("sft", "eval-sft") and not cfg.pretrain.enabled)):
+        out["model.pretrained"] = (cfg.model.pretrained, cfg.model.revision)
+    if step == "reward" and cfg.reward.pretrained:
+        out["reward.pretrained"] = (cfg.reward.pretrained, None)
+    pc, algorithm = cfg.preference, step.removeprefix("eval-")
+    if algorithm in ALGORITHMS:
+        judged = algorithm != "dpo" or step != algorithm  # DPO needs no reward model; its evaluation does
+        if pc.reward_model and judged and pc.uses_reward_model():
+            out["preference.reward_model"] = (pc.reward_model, None)
+        if pc.reference and step == algorithm:
+            out["preference.reference"] = (pc.reference, None)
+        if pc.ppo.critic and step == "ppo":
+            out["preference.ppo.critic"] = (pc.ppo.critic, None)
+    return out

@@ -37,6 +37,7 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
 from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 from gptforge.stages.entry import exit_process, main
+from gptforge.stages.registry import data_parallel
 
 
 
@@ -71,7 +72,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     train = encode_conversations(tokenizer, data.train, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     val = encode_conversations(tokenizer, data.val, sc.max_length, sc.assistant_only_loss, sc.on_too_long)
     examples = pack(train.examples, sc.max_length) if sc.packing else train.examples
-    dp_world = dist.data_parallel("sft")  # sequence parallelism: groups of ranks share each row
+    dp_world = data_parallel(dist, "sft")  # sequence parallelism: groups of ranks share each row
     splits.require(len(examples), sc.micro_batch_size * dp_world, f"usable training conversations (skipped: "
                     f"{dict(train.skipped)})", "sft.micro_batch_size", "data.sft")
     splits.require(len(val.examples), 1, "usable held-out conversations", "sft.micro_batch_size", "data.sft")
@@ -95,9 +96,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     tile_mlps(model, mlp_shards(dist, local_len, model.config.hidden_size))
     model = wrap(model, sc.lora, "causal-lm", "sft.lora", grown, dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
-    engine, scheduler, grad_accum = init_engine(model, ds_config, sc, dist, elastic,
-                                                partial(stage_verdict, cfg, sc, world, device, len(tokenizer)),
-                                                sp and sp.mpu)
+    verdict = partial(stage_verdict, cfg, sc, world, device, len(tokenizer), world // dp_world)  # if memory runs out
+    engine, scheduler, grad_accum = init_engine(model, ds_config, sc, dist, elastic, verdict, sp and sp.mpu)
     if rank == 0 and (sp or tiles > 1):
         print(f"[sft] {f'sequence parallel {sp.size} ({dp_world} data-parallel), ' if sp else ''}"
               f"logits in {tiles} tile(s)", flush=True)

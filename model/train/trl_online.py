@@ -28,9 +28,10 @@ from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerM
 
 def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: str, trainer: str,
           **algorithm_args) -> dict:
-    """Train the policy with TRL's `<trainer>Config` and `<trainer>Trainer` (`trainer`: "GRPO" or "RLOO"), the
-    shared arguments from preference and preference.<stage>, plus the algorithm's own `algorithm_args`; export it
-    to `out_dir/model` and return the stage's metrics."""
+    """Train the policy (each sequence shared by distributed.sequence_parallel ranks) with TRL's `<trainer>Config`
+    and `<trainer>Trainer` (`trainer`: "GRPO" or "RLOO"): the shared arguments from preference and
+    preference.<stage>, plus the algorithm's own `algorithm_args`; export it to `out_dir/model` and return the
+    stage's metrics."""
     pc, oc, dist = cfg.preference, getattr(cfg.preference, stage), cfg.distributed
     rank, world, device = setup_distributed(cfg.distributed)
     trl = importlib.import_module("trl")  # after setup_distributed, whose environment spares TRL's import of MLflow
@@ -38,7 +39,8 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: st
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
-    args = config_cls(**trainer_kwargs(pc, dist, dist.data_parallel(stage), out_dir, cfg.run.seed), beta=pc.beta,
+    data_parallel = dist.world_size // dist.sequence_parallel
+    args = config_cls(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
                       temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
                       reward_weights=trl_rewards.pop("reward_weights"), **algorithm_args)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from gptforge.core.config import pipeline_stages
+from gptforge.stages.registry import pipeline_stages
 from gptforge.model.eval import rewards as rewards_module
 from gptforge.pipeline.store import pipeline_steps
 from tests.helpers import config, logged, run_stage

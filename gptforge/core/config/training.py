@@ -1,0 +1,235 @@
+"""The training stages' sections: pretraining, SFT, the reward model, the preference algorithms and their rewards,
+and the evaluation of finished outputs."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Literal
+
+from pydantic import model_validator
+
+from gptforge.core.config.base import ALGORITHMS, Algorithm, Section, Setting
+from gptforge.core.config.model_layout import LoraSection
+
+
+class TrainSection(Section):
+    enabled: bool = Setting(True, same_result=True, description="Run this stage.")
+    lr: float = Setting(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Setting(1e-4, ge=0, description="Learning rate at the end of cosine decay.")
+    warmup_steps: int = Setting(20, ge=0, description="Linear warmup steps.")
+    max_steps: int = Setting(200, ge=1, description="Optimizer steps.")
+    micro_batch_size: int = Setting(16, ge=1, description="Sequences per process per forward pass.")
+    global_batch_size: int = Setting(32, ge=1, description="Sequences per optimizer step over all processes.")
+    weight_decay: float = Setting(0.1, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Setting(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    log_every: int = Setting(10, ge=1, same_result=True, description="Steps between log lines.")
+    eval_every: int = Setting(100, ge=1, same_result=True, description="Steps between evaluations.")
+    save_every: int = Setting(100, ge=1, same_result=True, description="Steps between step checkpoints.")
+    keep_last: int = Setting(2, ge=1, same_result=True, description="Step checkpoints kept.")
+    lora: LoraSection = Setting(default_factory=LoraSection, description="LoRA/QLoRA adapters (r=0: full weights).")
+    spike_factor: float | None = Setting(None, gt=1, description="Skip a step whose loss is over this factor times "
+                                         "the median of the last spike_window steps (None: off); model/train/guard.py.")
+    spike_window: int = Setting(32, ge=1, description="Good steps whose median loss spike_factor is taken against.")
+    max_bad_steps: int = Setting(3, ge=1, description="Bad steps (NaN/Inf loss or gradient norm, spikes) in a row "
+                                 "after which the stage rolls back to its newest valid checkpoint.")
+    max_rollbacks: int = Setting(2, ge=0, description="Rollbacks after which more bad steps fail the stage.")
+
+
+class PretrainSection(TrainSection):
+    seq_len: int = Setting(96, ge=8, description="Training sequence length in tokens.")
+    eval_batches: int = Setting(8, ge=1, same_result=True, description="Val batches per evaluation.")
+    document_mask: bool = Setting(False, description="Inside a window, attention and positions restart after each "
+                                  "end-of-text token (Llama 3, OLMo); false: windows attend across documents (GPT-2).")
+    compile: bool = Setting(False, same_result=True, description="torch.compile the model (DeepSpeed engine.compile): "
+                            "a slower first step, faster ones after; needs a C++ compiler on the CPU.")
+
+
+class SFTSection(TrainSection):
+    lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    max_length: int = Setting(96, ge=8, description="Maximum tokens per conversation.")
+    assistant_only_loss: bool = Setting(True, description="Loss on assistant tokens only (else the full sequence).")
+    packing: bool = Setting(False, description="Pack several conversations into each sequence; positions restart and "
+                            "attention stays within each conversation.")
+    chat_template: str | None = Setting(None, description="Jinja chat template for a model that has none (None: "
+                                        "ChatML, its special tokens added to the vocabulary); a model's own is kept.")
+    on_too_long: Literal["skip", "truncate"] = Setting("skip", description="What to do with examples over max_length.")
+
+
+class RewardSection(TrainSection):
+    pretrained: str | None = Setting(None, description="Start the reward model from this model (hub name or local "
+                                     "directory; a causal LM gets a new head) instead of the SFT output.")
+    lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
+    max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response.")
+    on_too_long: Literal["skip", "truncate"] = Setting("skip", description="What to do with pairs over max_length.")
+    margin: float = Setting(0.0, ge=0, description="Margin term of the pairwise loss.")
+    center_rewards_coefficient: float = Setting(0.0, ge=0, description="Weight of the reward-centering term.")
+    policy_samples: int = Setting(0, ge=0, description="Sample the SFT model on this many prompts and pair each wrong "
+                                  "answer, as rejected, with the known one (demo data only).")
+    sample_temperature: float = Setting(1.0, gt=0, description="Sampling temperature of policy_samples.")
+    sample_max_new_tokens: int = Setting(8, ge=1, description="Longest answer sampled for policy_samples, in tokens.")
+
+
+class DPOSection(Section):
+    loss_type: str | list[str] = Setting("sigmoid", description="TRL DPO loss (sigmoid, ipo, hinge, robust, ...), or a "
+                                         "list combined with equal weights ([sigmoid, sft] is RPO).")
+
+
+class OnlineSection(Section):
+    """What each online algorithm (ppo, grpo, rloo) sets for itself: rollouts and the supervised ptx term (their
+    rewards are preference.rewards, shared)."""
+
+    max_new_tokens: int = Setting(8, ge=1, description="Response length of on-policy sampling, in tokens.")
+    temperature: float = Setting(1.0, gt=0, description="Sampling temperature of rollouts.")
+    top_k: int = Setting(0, ge=0, description="Top-k of rollouts (0 disables).")
+    top_p: float = Setting(1.0, gt=0, le=1, description="Top-p of rollouts.")
+    ptx_coef: float = Setting(0.0, ge=0, description="Weight of the chosen responses' loss added at every update "
+                              "(InstructGPT's PPO-ptx); 0 disables.")
+    ptx_batch_size: int | None = Setting(None, ge=1, description="Rows of chosen responses in each update's ptx loss "
+                                         "over all processes; None: as many as the update's responses.")
+
+    def ptx_rows(self, micro_batch_size: int, world: int, micro_steps_per_update: int) -> int:
+        """Rows of chosen responses on each process in each micro-batch of the ptx loss, when a policy update
+        takes `micro_steps_per_update` micro-batches of `micro_batch_size` on each process."""
+        per_update = self.ptx_batch_size or micro_batch_size * world * micro_steps_per_update
+        return per_update // (world * micro_steps_per_update)
+
+
+REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length")  # gptforge.model.eval.rewards
+
+
+class RewardSpec(Section):
+    """One reward of the online stages: a built-in or the user's function by `name`, or a reward server at `url`."""
+
+    name: str | None = Setting(None, description="reward_model, exact_match, math_equal, format, length, or the "
+                               "user's package.module:function(prompts, responses, answers, **row) -> list[float]; "
+                               "with url, the name its metric is logged under (default remote).")
+    url: str | None = Setting(None, description="A reward server: each batch as one JSON POST {prompts, responses, "
+                              "answers, ...}, answered by {rewards: [...]}.")
+    weight: float = Setting(1.0, description="Weight of this reward in the total.")
+    timeout_s: float = Setting(30.0, gt=0, description="Seconds a reward server has to answer one try.")
+    retries: int = Setting(3, ge=1, description="Tries of a reward server before the stage fails.")
+
+    @model_validator(mode="after")
+    def _known(self):
+        if self.url is None and not self.name:
+            raise ValueError("a reward needs a name (a built-in or package.module:function) or a url")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward url {self.url!r} is not an http:// or https:// address")
+        if self.url is None and self.name not in REWARD_BUILT_IN:
+            module, colon, attr = self.name.partition(":")
+            if not (colon and module and attr.isidentifier()):
+                close = difflib.get_close_matches(self.name, REWARD_BUILT_IN, n=1)
+                raise ValueError(f"reward name {self.name!r} is neither a built-in ({', '.join(REWARD_BUILT_IN)}) "
+                                 "nor package.module:function" + (f"; did you mean {close[0]!r}?" if close else ""))
+        return self
+
+    def label(self) -> str:
+        """The name its mean is logged under: rewards/<label>."""
+        if self.url is not None:
+            return self.name or "remote"
+        return self.name.partition(":")[2] or self.name
+
+
+class PPOSection(OnlineSection):
+    ppo_epochs: int = Setting(2, ge=1, description="Passes over each rollout batch.")
+    gamma: float = Setting(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Setting(0.95, ge=0, le=1, description="GAE lambda.")
+    cliprange: float = Setting(0.2, gt=0, description="Policy ratio clip.")
+    cliprange_value: float = Setting(0.2, gt=0, description="Value clip.")
+    critic_lr: float = Setting(1e-4, gt=0, description="Critic learning rate.")
+    critic: str | None = Setting(None, description="The critic's start (hub name or local directory); None: the "
+                                 "reward model (if it shares the policy's tokenizer), else the SFT model with a new "
+                                 "value head.")
+    kl_target: float | None = Setting(None, gt=0, description="Adaptive KL controller target (None: fixed beta).")
+    kl_horizon: int = Setting(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
+
+
+class GRPOSection(OnlineSection):
+    num_generations: int = Setting(4, ge=2, description="Completions per prompt.")
+    scale_rewards: Literal["group", "batch", "none"] = Setting(
+        "group", description="Divide rewards less their group mean by the group's std, the batch's, or nothing "
+        "(none, as Dr. GRPO).")
+
+
+class RLOOSection(OnlineSection):
+    num_generations: int = Setting(4, ge=2, description="Completions per prompt.")
+
+
+class PreferenceSection(TrainSection):
+    """What every preference algorithm shares; each algorithm's own fields are in its sub-section."""
+
+    algorithm: Algorithm | list[Algorithm] = Setting("dpo", same_result=True,
+                                                     description="Alignment algorithm(s); each runs as its own stage.")
+    lr: float = Setting(5e-5, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Setting(0.0, ge=0, description="Learning rate at the end of cosine decay.")
+    beta: float = Setting(0.1, gt=0, description="KL strength (DPO beta, the initial KL coefficient of the others).")
+    max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response.")
+    reward_model: str | None = Setting(None, description="A ready reward model (sequence classifier: hub name or local "
+                                       "directory) that judges the policy; the pipeline then trains none.")
+    rewards: list[RewardSpec] = Setting(default_factory=lambda: [RewardSpec(name="reward_model")],
+                                        description="The online stages' rewards, weighed and summed: [{name, weight}] "
+                                        "or [{url, weight}]; without reward_model there is no reward stage.")
+    format_pattern: str | None = Setting(None, description="Regex the whole response must match for the format "
+                                         "reward, e.g. '<think>.*</think>\\s*<answer>.*</answer>'.")
+    length_target: int = Setting(64, ge=0, description="Tokens a response may have before the length reward "
+                                 "subtracts one per token over.")
+    reference: str | None = Setting(None, description="The reference policy (hub name or local directory); None: the "
+                                    "SFT model (with adapters: the policy with its adapters disabled).")
+    dpo: DPOSection = Setting(default_factory=DPOSection, description="DPO's own settings.")
+    ppo: PPOSection = Setting(default_factory=PPOSection, description="PPO's own settings.")
+    grpo: GRPOSection = Setting(default_factory=GRPOSection, description="GRPO's own settings.")
+    rloo: RLOOSection = Setting(default_factory=RLOOSection, description="RLOO's own settings.")
+
+    def algorithms(self) -> list[str]:
+        return [self.algorithm] if isinstance(self.algorithm, str) else list(self.algorithm)
+
+    def uses_reward_model(self) -> bool:
+        """Whether a reward model is among the rewards (then it also judges the evaluation's win rate)."""
+        return any(r.url is None and r.name == "reward_model" for r in self.rewards)
+
+    def reward_weight(self) -> float:
+        """The reward model's weight in the total (0 where it has none): the scale of PPO's first values."""
+        return sum(r.weight for r in self.rewards if r.url is None and r.name == "reward_model")
+
+    @model_validator(mode="after")
+    def _rewards(self):
+        if not self.rewards:
+            raise ValueError("preference.rewards is empty: name at least one reward, e.g. [{name: reward_model}] or "
+                             "[{name: math_equal}]")
+        labels = [r.label() for r in self.rewards]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ValueError(f"preference.rewards[{i}]: a second reward logged as {label!r}; give it its own name")
+        if "format" in [r.name for r in self.rewards if r.url is None]:
+            if not self.format_pattern:
+                raise ValueError("preference.rewards names format but preference.format_pattern is not set; set the "
+                                 "regex a response must match")
+            import re
+
+            try:
+                re.compile(self.format_pattern)
+            except re.error as e:
+                raise ValueError(f"preference.format_pattern {self.format_pattern!r} is not a regex: {e}") from None
+        return self
+
+
+class EvalSection(Section):
+    max_new_tokens: int = Setting(8, ge=1, description="Tokens generated per held-out item.")
+    items: int = Setting(200, ge=1, description="Held-out items evaluated.")
+    batch_size: int = Setting(64, ge=1, description="Items generated and scored together; the batches are fixed, "
+                              "whatever the number of processes.")
+    processes: Literal["auto", "one", "all"] = Setting(
+        "auto", same_result=True, description="one process, or all of the distributed layout's (a share of the "
+        "batches each); auto: all with a GPU here or nodes over ssh/slurm.")
+    samples: int = Setting(0, ge=0, description="Answers sampled per held-out prompt after a preference stage for "
+                           "pass@k of each reward but the reward model (k = samples; 0: none).")
+    kv_cache: Literal["full", "fp8", "quanto-int4"] = Setting("full", description="KV cache of generation: full "
+                                                             "precision, fp8 (per tensor), or int4 (optimum-quanto).")
+    harness_tasks: list[str] = Setting([], description="lm-evaluation-harness tasks run on the exported model of "
+                                       "each of harness_stages, e.g. [arc_easy]; gptforge_demo: the demo's held-out "
+                                       "items.")
+    harness_stages: list[Literal["sft", Algorithm]] = Setting(["sft", *ALGORITHMS], description="The evaluated "
+                                                              "stages whose evaluation step runs harness_tasks.")
+    harness_include: list[str] = Setting([], description="Folders of the user's own task YAMLs for harness_tasks.")
+    harness_limit: int | None = Setting(None, ge=1, description="Examples per harness task (None: all).")
+    harness_num_fewshot: int | None = Setting(None, ge=0, description="Few-shot examples (None: each task's own).")

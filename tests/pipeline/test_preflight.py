@@ -1,0 +1,46 @@
+"""What the preflight (gptforge.pipeline.preflight) checks beyond the schema: the stages' layouts, read from the
+registry, and the devices where each stage would start. (Missing files, reward functions and servers:
+tests/pipeline/test_cli.py, through `gptforge run` on a fresh root.)"""
+
+import pytest
+import torch
+
+from gptforge.core.config import load_config
+from gptforge.core.errors import ConfigError
+from gptforge.pipeline.preflight import check_devices, check_layout
+from gptforge.pipeline.store import pipeline_steps
+from tests.conftest import TINY
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["distributed.sequence_parallel=2", "preference.algorithm=grpo"],
+     "preference.grpo.ptx_coef with distributed.sequence_parallel=2"),
+    (["distributed.nproc_per_node=4", "distributed.sequence_parallel=2", "preference.algorithm=rloo",
+      "preference.rloo.ptx_coef=0", "preference.global_batch_size=12", "preference.micro_batch_size=1",
+      "preference.rloo.num_generations=4",
+      *[f"{s}.{k}" for s in ("pretrain", "sft", "reward") for k in ("global_batch_size=8", "micro_batch_size=1")]],
+     "a group's rollouts a step (preference.global_batch_size over the 2 data-parallel groups = 6) must hold"),
+])
+def test_an_online_stage_that_cannot_share_its_sequences_is_one_error_naming_the_key(overrides, says):
+    cfg = load_config(TINY, overrides)  # the schema takes it: which stages split sequences is the registry's
+    with pytest.raises(ConfigError) as e:
+        check_layout(cfg, pipeline_steps(cfg))
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ppo_takes_no_sequence_parallelism_so_its_ptx_rows_are_its_own():
+    cfg = load_config(TINY, ["distributed.sequence_parallel=2", "preference.algorithm=ppo"])
+    check_layout(cfg, pipeline_steps(cfg))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_a_qlora_config_validates_on_a_cpu_head_node_and_fails_only_where_it_would_start():
+    qlora = ["sft.lora.r=8", "sft.lora.quantize=4"]
+    here = load_config(TINY, qlora)  # the schema does not ask this host for a GPU
+    with pytest.raises(ConfigError, match=r"^sft.lora.quantize=4 loads the base through bitsandbytes, which needs a "
+                                          r"GPU; there is none on this host"):
+        check_devices(here, pipeline_steps(here))
+    sent = load_config(TINY, [*qlora, "run.work_pools={sft: gpu}", "run.default_work_pool=cpu"])
+    check_devices(sent, pipeline_steps(sent))  # the GPU pool's worker checks it, where the stage starts
+    with pytest.raises(ConfigError, match=r"^sft.lora.quantize=4"):
+        check_devices(sent, ["sft"], here=True)  # as gptforge.pipeline.launch asks on the worker that runs it
