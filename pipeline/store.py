@@ -58,24 +58,31 @@ def pipeline_steps(cfg: PipelineConfig) -> list[str]:
 
 
 def stage_config(cfg: PipelineConfig, step: str) -> dict:
-    """The config that defines a step's output (what its fingerprint hashes)."""
-    if step == "tokenize":
-        return {"tokenizer": result_fields(cfg.tokenizer)}
-    if step.startswith("eval-"):  # the harness settings only where this stage runs the harness, pass@k after
-        harness = step.removeprefix("eval-") in cfg.eval.harness_stages and cfg.eval.harness_tasks
-        fields = {k: v for k, v in result_fields(cfg.eval, leave_out=("harness_stages",) + (  # a preference stage
-            ("samples",) if step == "eval-sft" else ())).items()
-                  if harness or not k.startswith("harness_")}
-        if step.removeprefix("eval-") in ALGORITHMS:  # the rewards score the policy's held-out answers
-            return {"eval": fields, "seed": cfg.run.seed, "rewards": reward_fields(cfg)}
-        return {"eval": fields, "seed": cfg.run.seed}
-    if step == "pretrain":
-        return {"model": result_fields(cfg.model), "pretrain": result_fields(cfg.pretrain), "seed": cfg.run.seed}
-    if step in ALGORITHMS:  # the fields every algorithm shares (DPO does not read the rewards), and this one's own
-        return {"preference": result_fields(cfg.preference, leave_out=ALGORITHMS + (REWARD_FIELDS if step == "dpo"
-                                                                                     else ())),
-                step: result_fields(getattr(cfg.preference, step)), "seed": cfg.run.seed}
-    return {step: result_fields(getattr(cfg, step)), "seed": cfg.run.seed}
+    """The config that defines a step's output (what its fingerprint hashes): the fields of the sections its
+    declaration names (gptforge.stages.registry.Stage.sections) that can change a result, and the seed."""
+    if step.startswith("eval-"):
+        return eval_config(cfg, step)
+    declared = STAGES[step].sections
+    out = {}
+    for path in declared:
+        section = cfg
+        for part in path.split("."):
+            section = getattr(section, part)
+        subs = tuple(p.rsplit(".", 1)[1] for p in declared if p.startswith(path + "."))
+        leave_out = (ALGORITHMS if subs else ()) + (REWARD_FIELDS if path == "preference" and step == "dpo" else ())
+        out[path.rsplit(".", 1)[-1]] = result_fields(section, leave_out=leave_out)  # DPO does not read the rewards
+    return {**out, "seed": cfg.run.seed} if STAGES[step].seeded else out
+
+
+def eval_config(cfg: PipelineConfig, step: str) -> dict:
+    """An evaluation step's: the eval fields it reads (the harness settings only where this stage runs the
+    harness, pass@k after a preference stage), the seed, and the rewards that score a policy's answers."""
+    harness = step.removeprefix("eval-") in cfg.eval.harness_stages and cfg.eval.harness_tasks
+    fields = {k: v for k, v in result_fields(cfg.eval, leave_out=("harness_stages",) + (
+        ("samples",) if step == "eval-sft" else ())).items() if harness or not k.startswith("harness_")}
+    if step.removeprefix("eval-") in ALGORITHMS:  # the rewards score the policy's held-out answers
+        return {"eval": fields, "seed": cfg.run.seed, "rewards": reward_fields(cfg)}
+    return {"eval": fields, "seed": cfg.run.seed}
 
 
 REWARD_FIELDS = ("rewards", "format_pattern", "length_target")  # preference.*: what the online stages are rewarded by

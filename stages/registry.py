@@ -22,6 +22,9 @@ class Stage:
 
     - `inputs`: the steps whose outputs it reads (before gptforge.pipeline.store.upstream drops those a config
       leaves out);
+    - `sections`: the config sections whose fields can change its result (`section` or `section.sub`; a section
+      listed with its sub-sections counts without them); `seeded`: whether run.seed can, too. The store hashes
+      them into its fingerprint (gptforge.pipeline.store.stage_config);
     - `data`: the `data.<name>` source it reads, if any (data.prompts for the online stages where it is set);
     - `outputs`: {name: path in its output folder}, hashed into its manifest;
     - `launcher`: `single` (one process, no launcher), `ranks` (every rank under distributed.launcher) or
@@ -35,6 +38,8 @@ class Stage:
     name: str
     module: str
     inputs: tuple[str, ...] = ()
+    sections: tuple[str, ...] = ()
+    seeded: bool = True
     data: str | None = None
     outputs: dict[str, str] = field(default_factory=lambda: dict(MODEL_OUTPUTS))
     launcher: str = "ranks"
@@ -45,19 +50,22 @@ class Stage:
 EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 STAGES: dict[str, Stage] = {s.name: s for s in [
     # tokenize 2: streamed in units, shards format 2 (index with counts and max id). Its own Ray workers.
-    Stage("tokenize", "tokenize", data="pretrain", outputs={"tokenizer": "tokenizer", "shards": "shards"},
-          launcher="single", code_version=2),
-    Stage("pretrain", "pretrain", ("tokenize",), sequence_parallel=True),
-    Stage("sft", "sft", ("pretrain",), data="sft", sequence_parallel=True),
-    Stage("reward", "reward", ("sft",), data="preference"),
-    Stage("dpo", "dpo", ("sft",), data="preference", launcher="accelerate",  # DPO needs no reward model
-          sequence_parallel=True),
-    Stage("ppo", "ppo", ("sft", "reward"), data="preference"),
-    Stage("grpo", "grpo", ("sft", "reward"), data="preference", launcher="accelerate", sequence_parallel=True),
-    Stage("rloo", "rloo", ("sft", "reward"), data="preference", launcher="accelerate", sequence_parallel=True),
-    # evaluation steps: one process unless eval.processes (gptforge.core.config.EvalSection.distributed)
-    Stage("eval-sft", "evaluate", ("sft", "pretrain"), outputs=EVAL_OUTPUTS, launcher="single"),
-    *[Stage(f"eval-{a}", "evaluate", (a, "sft", "reward"), outputs=EVAL_OUTPUTS, launcher="single")
+    Stage("tokenize", "tokenize", sections=("tokenizer",), seeded=False, data="pretrain",
+          outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=2),
+    Stage("pretrain", "pretrain", ("tokenize",), ("model", "pretrain"), sequence_parallel=True),
+    Stage("sft", "sft", ("pretrain",), ("sft",), data="sft", sequence_parallel=True),
+    Stage("reward", "reward", ("sft",), ("reward",), data="preference"),
+    Stage("dpo", "dpo", ("sft",), ("preference", "preference.dpo"), data="preference",  # needs no reward model
+          launcher="accelerate", sequence_parallel=True),
+    Stage("ppo", "ppo", ("sft", "reward"), ("preference", "preference.ppo"), data="preference"),
+    Stage("grpo", "grpo", ("sft", "reward"), ("preference", "preference.grpo"), data="preference",
+          launcher="accelerate", sequence_parallel=True),
+    Stage("rloo", "rloo", ("sft", "reward"), ("preference", "preference.rloo"), data="preference",
+          launcher="accelerate", sequence_parallel=True),
+    # evaluation steps: one process unless eval.processes (gptforge.pipeline.nodes.evaluation_on_every_rank); the
+    # store picks the eval fields each one reads (gptforge.pipeline.store.stage_config)
+    Stage("eval-sft", "evaluate", ("sft", "pretrain"), ("eval",), outputs=EVAL_OUTPUTS, launcher="single"),
+    *[Stage(f"eval-{a}", "evaluate", (a, "sft", "reward"), ("eval",), outputs=EVAL_OUTPUTS, launcher="single")
       for a in ALGORITHMS],
 ]}
 EVALUATED = tuple(s.name.removeprefix("eval-") for s in STAGES.values() if s.name.startswith("eval-"))
