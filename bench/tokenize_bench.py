@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import sys
 
+from measure import measured  # bench/measure.py
+
 # This file's folder must not shadow the standard library's `tokenize`.
 del sys.path[0]
 
@@ -22,11 +24,9 @@ import random  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import psutil  # noqa: E402
 
 from gptforge.core.config import dump_config, load_config  # noqa: E402
 from gptforge.data.demo import generate  # noqa: E402
@@ -93,38 +93,6 @@ def zipf_corpus(folder: Path, gb: float) -> list[Path]:
                 docs = np.split(words, cuts[cuts < len(words)])
                 f.writelines(json.dumps({"text": " ".join(doc)}) + "\n" for doc in docs)
     return files
-
-
-def tree_pss(pid: int) -> int:
-    """Proportional set size of a process and all its descendants, in bytes (shared pages counted once)."""
-    try:
-        root = psutil.Process(pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in tree:
-        try:
-            total += p.memory_full_info().pss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
-
-
-def measured(cmd: list[str], **kw) -> tuple[float, int, str]:
-    """Run a command; its wall time, the peak PSS of its process tree and its stdout."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-    peak, out = [0], {}
-    watcher = threading.Thread(target=lambda: out.update(zip(("out", "err"), proc.communicate())))
-    t0 = time.perf_counter()
-    watcher.start()
-    while watcher.is_alive():
-        peak[0] = max(peak[0], tree_pss(proc.pid))
-        time.sleep(0.5)
-    seconds = time.perf_counter() - t0
-    if proc.returncode:
-        sys.exit(f"{cmd[:4]} failed:\n{out['err'][-3000:]}")
-    return seconds, peak[0], out["out"]
 
 
 def startup(out_dir: Path) -> float:

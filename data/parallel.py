@@ -52,6 +52,14 @@ def engine(address: str | None, workers: int, units: int):
     if address is None and units <= 1:
         yield in_process
         return
+    with ray_instance(address, workers):
+        yield map_units
+
+
+@contextmanager
+def ray_instance(address: str | None, workers: int):
+    """Ray, initialised for the block: a local instance with `workers` CPUs on 127.0.0.1, or the cluster at
+    `address` (`tokenizer.cluster`)."""
     import ray
     from ray._private import ray_constants
 
@@ -72,7 +80,7 @@ def engine(address: str | None, workers: int, units: int):
         check_reachable(address)
         ray.init(address=address, configure_logging=False, runtime_env={"env_vars": ENV})
     try:
-        yield map_units
+        yield
     finally:
         ray.shutdown()
 

@@ -7,8 +7,10 @@ before a stage starts: a complete output with the stage's fingerprint (and intac
 otherwise the stage runs, resuming from its own step checkpoints if it has any.
 """
 
+import base64
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -27,7 +29,7 @@ from gptforge.pipeline.approval import approve
 from gptforge.pipeline.launch import kill_running, run_stage
 from gptforge.model.train.tracking import pipeline_run
 from gptforge.pipeline.preflight import preflight
-from gptforge.pipeline.report import artifact_markdown, write_report
+from gptforge.pipeline.report import FUNNEL, artifact_markdown, draw_funnel, funnel_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps, read_manifest, upstream
 from gptforge.pipeline.team import STAGE_FLOW, Rejected, cancel_children, pool_of, run_on_pool
 
@@ -63,6 +65,12 @@ def run_here(cfg: PipelineConfig, stage: str, config_path: Path, log, recompute:
                           description=f"{stage} final metrics; output: {out_dir.resolve().as_uri()}")
     create_link_artifact(key=f"{stage}-output", link=out_dir.resolve().as_uri(), link_text=str(out_dir.resolve()),
                          description=f"{stage}: its output (a Hugging Face checkpoint in model/ if it trains one)")
+    if stage == "curate":  # the funnel, its plot inline (the UI cannot reach the run's files)
+        with tempfile.TemporaryDirectory() as tmp:
+            draw_funnel(manifest["metrics"], Path(tmp) / f"{FUNNEL}.png")
+            png = base64.b64encode((Path(tmp) / f"{FUNNEL}.png").read_bytes()).decode()
+        create_markdown_artifact(key="curate-funnel", markdown=funnel_markdown(
+            out_dir, lambda name: f"data:image/png;base64,{png}"), description="curate: what each step removed")
     return manifest
 
 

@@ -6,6 +6,8 @@ input is one `error:` line and nothing has trained.
 - the devices: a stage that loads its base through bitsandbytes (`<stage>.lora.quantize`) and starts on this host
   needs a GPU here; one sent to a work pool is checked by its worker, so a CPU head node validates a GPU config;
 - the harness tasks of `eval.harness_tasks` exist;
+- the curate stage's inputs: its filters' arguments, a language model available offline, the files of
+  `curate.decontaminate.extra`;
 - the named models load (`model.pretrained`, `reward.pretrained`, `preference.reward_model`, ...), their adapters
   match something;
 - the team's pools, gates and slots are sound;
@@ -18,9 +20,11 @@ input is one `error:` line and nothing has trained.
 
 from __future__ import annotations
 
+import importlib.util
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 from gptforge.core.config import ALGORITHMS, ONLINE_ALGORITHMS, PipelineConfig, dump_config
 from gptforge.core.errors import ConfigError
@@ -49,6 +53,8 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     check_devices(cfg, selected)
     if cfg.eval.harness_tasks:
         check_tasks(cfg.eval)
+    if "curate" in selected:
+        check_curate(cfg)
     check_models(cfg)
     if team:
         check_team(cfg, steps)
@@ -89,6 +95,26 @@ def check_devices(cfg: PipelineConfig, steps: list[str], here: bool = False) -> 
             raise ConfigError(f"{section}.lora.quantize={quantize} loads the base through bitsandbytes, which needs "
                               "a GPU; there is none on this host: set it to null, or send the stage to a GPU work "
                               "pool (run.work_pools)")
+
+
+def check_curate(cfg: PipelineConfig) -> None:
+    """What the curate stage reads besides its data: each filter built with its arguments (datatrove's own check),
+    the language model (lingua, or a local fastText file: nothing is downloaded), the extra evaluation files."""
+    cc = cfg.curate
+    for name, args in cc.filters.items():
+        from gptforge.data.curation import quality_filter  # datatrove: only where a run curates
+
+        quality_filter(name, args, None)
+    if cc.languages and cc.language_model != "lingua":
+        if not Path(cc.language_model).is_file():
+            raise ConfigError(f"curate.language_model: {cc.language_model} is neither lingua nor a fastText model "
+                              "file (language identification runs offline: give the path of a local lid.176.bin)")
+        if importlib.util.find_spec("fasttext") is None:
+            raise ConfigError(f"curate.language_model: {cc.language_model} is a fastText model, and fastText is not "
+                              "installed: pip install -e '.[fasttext]', or use lingua")
+    for path in cc.decontaminate.extra if cc.decontaminate.enabled else ():
+        if not Path(path).is_file():
+            raise ConfigError(f"curate.decontaminate.extra: cannot read {path}: no such file")
 
 
 def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], None]) -> None:

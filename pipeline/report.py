@@ -31,7 +31,8 @@ PANELS = [
     ("throughput", ("tokens_per_sec",), "tokens/s"),
 ]
 # The metrics a stage's table shows, in this order, those it has (at most five).
-HEADLINE = ["val_loss", "exact_match", "base_exact_match", "sft_exact_match", "rouge_l", "base_rouge_l",
+HEADLINE = ["documents_kept", "bytes_kept", "val_loss", "exact_match", "base_exact_match", "sft_exact_match",
+            "rouge_l", "base_rouge_l",
             "win_rate_vs_sft", "reward_accuracy",
             "reward_margin", "reward_mean", "kl", "val_ppl", "tokens_per_sec", "mfu", "peak_host_memory_gib"]
 
@@ -92,11 +93,68 @@ def draw(panels: list[tuple[str, dict[str, list], str]], title: str, path: Path)
     plt.close(fig)
 
 
+FUNNEL = "curate-funnel"  # the curate stage's plot
+
+
+def funnel_steps(metrics: dict) -> list[tuple[str, int, int]]:
+    """The curate stage's funnel from its metrics: (step, documents it removed, documents left after it), from the
+    documents read to those kept, in the order the stage removed them."""
+    left, out = metrics["documents_in"], [("read", 0, metrics["documents_in"])]
+    for key, n in metrics.items():
+        if key.startswith("removed/"):
+            left -= n
+            out.append((key.removeprefix("removed/"), n, left))
+    return out
+
+
+def draw_funnel(metrics: dict, path: Path) -> None:
+    """Documents left after each step of the curate stage, one bar a step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = funnel_steps(metrics)
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(steps) + 1.2))
+    ax.barh([s for s, _, _ in steps][::-1], [left for _, _, left in steps][::-1], color="#4c72b0")
+    for y, (_, removed, left) in enumerate(steps[::-1]):
+        ax.text(left, y, f" {left:,}" + (f" (-{removed:,})" if removed else ""), va="center", fontsize="small")
+    ax.set_xlabel("documents left")
+    ax.set_title(f"curate: {metrics['documents_kept']:,} of {metrics['documents_in']:,} documents kept "
+                 f"({metrics['bytes_kept'] / max(metrics['bytes_in'], 1):.0%} of the bytes)")
+    ax.set_xlim(0, metrics["documents_in"] * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def funnel_markdown(out_dir: Path, image) -> str:
+    """The curate stage's funnel as a table, its plot (`image(name)`: the plot's address) and a few removed
+    documents for each reason."""
+    funnel = json.loads((out_dir / "funnel.json").read_text())
+    m, total = funnel["metrics"], max(funnel["metrics"]["documents_in"], 1)
+    md = ["## Curation funnel", "", "| step | removed | documents left | share of the input |",
+          "| --- | --- | --- | --- |"]
+    md += [f"| {step} | {removed:,} | {left:,} | {left / total:.1%} |" for step, removed, left in funnel_steps(m)]
+    md += ["", f"Bytes: {m['bytes_kept']:,} of {m['bytes_in']:,} kept.", "", f"![{FUNNEL}]({image(FUNNEL)})", ""]
+    for reason, examples in funnel["examples"].items():
+        if examples:
+            md.append(f"Removed as **{reason}**, for example:")
+            md += [f"- `{e['id']}`: {e['text'][:160].replace(chr(10), ' ')}..." for e in examples]
+            md.append("")
+    return "\n".join(md)
+
+
 def make_plots(stages: dict, plots_dir: Path) -> list[str]:
-    """Draw each stage's figure and kl.png; return the plot names (file stems), in stage order."""
+    """Draw each stage's figure, kl.png and the curate stage's funnel; return the plot names (file stems), in stage
+    order."""
     plots_dir.mkdir(exist_ok=True)
     names, kl = [], []
     for stage, info in stages.items():
+        if stage == "curate" and info.get("output") and (Path(info["output"]) / "funnel.json").is_file():
+            draw_funnel(json.loads((Path(info["output"]) / "funnel.json").read_text())["metrics"],
+                        plots_dir / f"{FUNNEL}.png")
+            names.append(FUNNEL)
         rows = read_log(Path(info["output"])) if info.get("output") else []
         panels = stage_panels(rows, stage)
         if panels:
@@ -156,7 +214,10 @@ def markdown(record: dict, plots: list[str], image) -> str:
     md += [f"**{record['outcome']}**", ""] if record.get("outcome") else []
     for stage, info in record["stages"].items():
         md += [stage_table(stage, info), ""]
-    md += [f"![{n}]({image(n)})\n" for n in plots]
+    curate = record["stages"].get("curate", {}).get("output")
+    if FUNNEL in plots and curate:
+        md += [funnel_markdown(Path(curate), image), ""]
+    md += [f"![{n}]({image(n)})\n" for n in plots if n != FUNNEL]
     return "\n".join(md)
 
 

@@ -20,7 +20,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from gptforge.core.config import ALGORITHMS, PipelineConfig, result_fields
+from gptforge.core.config import ALGORITHMS, PipelineConfig, Section, result_fields
 from gptforge.core.errors import DataError, InputError
 from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.data.splits import eval_fingerprint, source_fingerprint
@@ -37,6 +37,9 @@ def data_of(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     data = STAGES[step].data
     if data is None:
         return ()
+    if step == "curate" and cfg.curate.decontaminate.enabled:  # and everything it decontaminates against
+        return ("pretrain", "sft", "preference") + tuple(d for d in ("prompts", "eval")
+                                                         if getattr(cfg.data, d).path is not None)
     if step in ALGORITHMS and step != "dpo" and cfg.data.prompts.path is not None:
         return ("prompts", "preference") if getattr(cfg.preference, step).ptx_coef else ("prompts",)
     return (data,)
@@ -65,9 +68,14 @@ def stage_config(cfg: PipelineConfig, step: str) -> dict:
     declared = STAGES[step].sections
     out = {}
     for path in declared:
-        section = cfg
-        for part in path.split("."):
-            section = getattr(section, part)
+        *parents, leaf = path.split(".")
+        owner = cfg
+        for part in parents:
+            owner = getattr(owner, part)
+        section = getattr(owner, leaf)
+        if not isinstance(section, Section):  # a field of a section (eval.harness_tasks)
+            out[path] = owner.model_dump(mode="json", include={leaf})[leaf]
+            continue
         subs = tuple(p.rsplit(".", 1)[1] for p in declared if p.startswith(path + "."))
         leave_out = (ALGORITHMS if subs else ()) + (REWARD_FIELDS if path == "preference" and step == "dpo" else ())
         out[path.rsplit(".", 1)[-1]] = result_fields(section, leave_out=leave_out)  # DPO does not read the rewards
@@ -103,6 +111,7 @@ def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     preference.reward_model, or no reward model among preference.rewards, there is no reward stage; a reward
     model started from reward.pretrained reads SFT's output only to sample it (reward.policy_samples)."""
     drop = set() if cfg.pretrain.enabled else {"pretrain"}
+    drop |= set() if cfg.curate.enabled else {"curate"}
     drop |= set() if cfg.trains_reward_model() else {"reward"}
     drop |= {"sft"} if step == "reward" and cfg.reward.pretrained and not cfg.reward.policy_samples else set()
     return tuple(u for u in STAGES[step].inputs if u not in drop)

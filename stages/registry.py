@@ -50,7 +50,12 @@ class Stage:
 EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 STAGES: dict[str, Stage] = {s.name: s for s in [
     # tokenize 2: streamed in units, shards format 2 (index with counts and max id). Its own Ray workers.
-    Stage("tokenize", "tokenize", sections=("tokenizer",), seeded=False, data="pretrain",
+    # curate: only where curate.enabled (gptforge.pipeline.store.upstream); its data: data.pretrain, and what it
+    # decontaminates against (gptforge.pipeline.store.data_of)
+    Stage("curate", "curate", sections=("curate", "eval.harness_tasks", "eval.harness_include"), seeded=False,
+          data="pretrain", outputs={"documents": "documents", "removed": "removed", "funnel": "funnel.json",
+                                    "decontamination": "decontamination.json"}, launcher="single"),
+    Stage("tokenize", "tokenize", ("curate",), ("tokenizer",), seeded=False, data="pretrain",
           outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=2),
     Stage("pretrain", "pretrain", ("tokenize",), ("model", "pretrain"), sequence_parallel=True),
     Stage("sft", "sft", ("pretrain",), ("sft",), data="sft", sequence_parallel=True),
@@ -86,6 +91,8 @@ def pipeline_stages(cfg: PipelineConfig) -> list[str]:
     too when the pipeline starts from model.pretrained without pretraining it, and reward when
     preference.reward_model names a ready one or preference.rewards has no reward model)."""
     names = ["tokenize"] if cfg.pretrain.enabled or not cfg.model.pretrained else []
+    if names and cfg.curate.enabled:
+        names.insert(0, "curate")
     for name in ("pretrain", "sft"):
         if getattr(cfg, name).enabled:
             names.append(name)

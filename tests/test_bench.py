@@ -150,3 +150,14 @@ def test_browser_benches(script, tmp_path):
     pytest.importorskip("selenium")
     bench(script, "--out", str(tmp_path))
     assert any(tmp_path.glob("*.png"))
+
+
+def test_curate_bench():
+    """bench/curate.py shrunk: the stage and datatrove's own executor on the same planted corpus, their ratio, the
+    stage's memory at two sizes, and near-duplicate recall and precision against exact Jaccard (the figures at 1 GB
+    are bench/RESULTS.md's)."""
+    out = bench("curate.py", "--gb", "0.002", "--workers", "2")
+    assert re.search(r"ratio gptforge/baseline documents/s: [\d.]+x \(target >= 1.0x\); stage peak memory at full "
+                     r"size / at a tenth: [\d.]+x", out), out
+    recall, precision = map(float, re.search(r"recall ([\d.]+) .* precision ([\d.]+)", out).groups())
+    assert recall >= 0.9 and precision >= 0.95, out

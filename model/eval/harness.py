@@ -126,3 +126,34 @@ def run_harness(model_dir: Path, eval_cfg, device: str, dtype: str, folder: Path
                                                                               "config") if k in results},
                                                     indent=2, default=str))
     return scores(results)
+
+
+def task_documents(eval_cfg) -> dict[str, list[str]]:
+    """{harness:<task>: the text of each of its evaluation documents (the prompt and its target)} for
+    eval.harness_tasks but the demo task (its items are the demo's held-out ones), read as the harness reads them:
+    a hub task's dataset from the local cache, a user's task from eval.harness_include. For the curate stage's
+    decontamination."""
+    from lm_eval.tasks import get_task_dict
+
+    names = [t for t in eval_cfg.harness_tasks if t != DEMO_TASK]
+    if not names:
+        return {}
+    out = {}
+    for name, task in _leaves(get_task_dict(names, task_manager(eval_cfg.harness_include))):
+        texts = []
+        for doc in task.eval_docs:
+            target = task.doc_to_target(doc)
+            if isinstance(target, int) and task.config.doc_to_choice is not None:
+                target = task.doc_to_choice(doc)[target]
+            texts.append(f"{task.doc_to_text(doc)} {target}")
+        out[f"harness:{name}"] = texts
+    return out
+
+
+def _leaves(tasks: dict):
+    """(name, task) of every task in a harness task dict, groups opened."""
+    for key, value in tasks.items():
+        if isinstance(value, dict):
+            yield from _leaves(value)
+        else:
+            yield getattr(key, "group_name", key), value

@@ -87,6 +87,11 @@ NAMES = {
     "truncated": "examples truncated to max_length",
     "policy_samples": "answers sampled from the SFT model for the reward model's extra pairs",
     "policy_pairs": "pairs added from the SFT model's wrong answers",
+    # curation
+    "documents_in": "documents the curate stage read",
+    "documents_kept": "documents the curate stage kept (what tokenize reads)",
+    "bytes_in": "UTF-8 bytes of the documents the curate stage read",
+    "bytes_kept": "UTF-8 bytes of the documents it kept",
 }
 
 HARNESS = "harness/"  # harness/<task>/<metric>[/<filter>]: an lm-evaluation-harness score (gptforge.model.eval.harness)
@@ -99,6 +104,8 @@ FAMILIES = {
     "sft_accuracy/": "sft_accuracy/<label>: the same over the SFT model's greedy answers",
     "pass@": "pass@<k>/<label>: held-out share of prompts with a positive reward among k sampled answers",
     "sft_pass@": "sft_pass@<k>/<label>: the same for the SFT model",
+    "removed/": "removed/<reason>: documents the curate stage removed for that reason (exact_duplicate, "
+                "near_duplicate, contaminated, language, or a quality filter's name)",
 }
 
 # What TRL's trainers log, in our names; their other keys are left out.

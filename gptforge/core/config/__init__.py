@@ -22,8 +22,9 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from gptforge.core.config.base import (ALGORITHMS, ONLINE_ALGORITHMS, Algorithm, Section, Setting,  # noqa: F401
                                        result_fields, size_in_bytes)
-from gptforge.core.config.inputs import (DataSection, DemoSection, EvalSourceSection,  # noqa: F401
-                                         PromptSourceSection, RunSection, SourceSection, TokenizerSection)
+from gptforge.core.config.inputs import (CURATE_FILTERS, CurateSection, DataSection, DemoSection,  # noqa: F401
+                                         EvalSourceSection, PromptSourceSection, RunSection, SourceSection,
+                                         TokenizerSection)
 from gptforge.core.config.model_layout import (ATTENTION, DistributedSection, LoraSection,  # noqa: F401
                                                ModelSection, RopeSection)
 from gptforge.core.config.training import (REWARD_BUILT_IN, DPOSection, EvalSection, GRPOSection,  # noqa: F401
@@ -39,6 +40,8 @@ ULYSSES_SPLITS = {"pretrain": ("seq_len", "document_mask"), "sft": ("max_length"
 class PipelineConfig(Section):
     run: RunSection = Setting(default_factory=RunSection, description="Run name, root, seed, retries, schedule.")
     data: DataSection = Setting(default_factory=DataSection, description="Where each stage's rows come from.")
+    curate: CurateSection = Setting(default_factory=CurateSection, description="Deduplication, quality filters and "
+                                    "decontamination of the pretraining data, before tokenize.")
     tokenizer: TokenizerSection = Setting(default_factory=TokenizerSection, description="BPE training and shards.")
     model: ModelSection = Setting(default_factory=ModelSection, description="Architecture.")
     distributed: DistributedSection = Setting(default_factory=DistributedSection,

@@ -1,0 +1,201 @@
+"""The curate stage on a corpus the test plants: exact and near duplicates (at Jaccard similarities it measures),
+evaluation items inside longer documents, low-quality documents, PII; 2 Ray workers, 4 tasks. Then curate,
+tokenize and pretrain end to end, and a curate killed between its passes resumes to the same output."""
+
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gptforge.pipeline.store import execute, locate
+from tests.helpers import config, run_stage
+
+STOP = ["the", "of", "and", "to", "that", "with", "have", "be", "in", "for", "is", "on", "it", "as", "was"]
+THRESHOLD = 0.7
+
+
+def vocabulary(rng: random.Random, n: int = 3000) -> list[str]:
+    return ["".join(rng.choices("abcdefghijklmnoprstuvw", k=rng.randint(3, 8))) for _ in range(n)]
+
+
+def words(rng: random.Random, vocab: list[str], n: int) -> list[str]:
+    return [rng.choice(STOP) if rng.random() < 0.35 else rng.choice(vocab) for _ in range(n)]
+
+
+def text(ws: list[str]) -> str:
+    """Sentences of ten words each."""
+    return " ".join(" ".join(ws[i:i + 10]).capitalize() + "." for i in range(0, len(ws), 10))
+
+
+def jaccard(a: str, b: str) -> float:
+    """Exact Jaccard similarity of two documents' shingle sets, shingled as the stage's MinHash step shingles."""
+    from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
+
+    sig = MinhashDedupSignature("/tmp/unused", MinhashConfig(n_grams=5))
+    x, y = set(sig.get_shingles(a).ravel().tolist()), set(sig.get_shingles(b).ravel().tolist())
+    return len(x & y) / len(x | y)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The corpus (4 JSONL files) and what the test knows of it: {id: kind}, the near-duplicate pairs with their
+    Jaccard similarity, the evaluation items (data.eval)."""
+    rng, root = random.Random(0), tmp_path_factory.mktemp("corpus")
+    vocab = vocabulary(rng)
+    docs: list[tuple[str, str]] = []  # (kind, text)
+    base = [words(rng, vocab, 120) for _ in range(60)]
+    docs += [("clean", text(ws)) for ws in base]
+    docs += [("exact", text(base[i])) for i in range(10)]  # copies of clean 0-9
+    pairs = []
+    for i, share in [(10 + k, 0.01) for k in range(10)] + [(20 + k, 0.12) for k in range(10)]:
+        ws = list(base[i])
+        for j in rng.sample(range(len(ws)), max(1, int(share * len(ws)))):
+            ws[j] = rng.choice(vocab)
+        docs.append(("near", text(ws)))
+        pairs.append((i, len(docs) - 1, jaccard(docs[i][1], docs[-1][1])))
+    items = [text(words(rng, vocab, 16)) for _ in range(5)]
+    for item in items:  # an evaluation item inside a longer document
+        docs.append(("contaminated", text(words(rng, vocab, 60)) + " " + item + " " + text(words(rng, vocab, 60))))
+    for _ in range(4):  # symbols: over Gopher's 0.1 hash-or-ellipsis a word
+        ws = words(rng, vocab, 100)
+        docs.append(("gopher_quality", text(ws[:70]) + " " + " ".join("#" + w for w in ws[70:])))
+    for _ in range(4):  # the same line again and again: Gopher's repetition
+        docs.append(("gopher_repetition", "\n".join([text(words(rng, vocab, 12))] * 12)))
+    for k in range(3):
+        docs.append(("pii", text(words(rng, vocab, 80)) + f" Write to jane.doe{k}@example.net or connect to "
+                                                           f"8.8.{k}.8 today."))
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    files = [root / f"part-{f}.jsonl" for f in range(4)]
+    kinds = {}
+    for n, i in enumerate(order):
+        with open(files[n % 4], "a") as out:
+            out.write(json.dumps({"text": docs[i][1], "n": i}) + "\n")
+    for i, (kind, _) in enumerate(docs):
+        kinds[i] = kind
+    (root / "eval.jsonl").write_text("".join(json.dumps({"prompt": item.rsplit(" ", 4)[0],
+                                                         "answer": item.rsplit(" ", 4)[1]}) + "\n" for item in items))
+    return {"root": root, "docs": docs, "kinds": kinds, "pairs": pairs, "order": order}
+
+
+def curate_config(root: Path, planted, *extra):
+    return config(root, f"data.pretrain={planted['root']}/part-*.jsonl", f"data.eval={planted['root']}/eval.jsonl",
+                  "curate.enabled=true", "tokenizer.num_workers=2",
+                  "curate.filters={gopher_repetition: {}, gopher_quality: {}}",
+                  f"curate.near_dedup.threshold={THRESHOLD}", *extra)
+
+
+def read_documents(folder: Path) -> list[str]:
+    out = []
+    for shard in sorted(folder.glob("*.jsonl.gz")):
+        with gzip.open(shard, "rt") as f:
+            out += [json.loads(line)["text"] for line in f]
+    return out
+
+
+@pytest.fixture(scope="module")
+def curated(tmp_path_factory, planted):
+    cfg, path = curate_config(tmp_path_factory.mktemp("curated"), planted)
+    manifest = execute(cfg, "curate")
+    return cfg, path, manifest, locate(cfg, "curate")[0]
+
+
+def test_the_funnel_counts_each_planted_kind_and_near_duplicates_are_found_by_jaccard(planted, curated):
+    _, _, manifest, out = curated
+    m, kinds, docs = manifest["metrics"], planted["kinds"], planted["docs"]
+    count = {k: sum(1 for v in kinds.values() if v == k) for k in set(kinds.values())}
+    assert m["documents_in"] == len(docs) and m["bytes_in"] == sum(len(t.encode()) for _, t in docs)
+    assert m["removed/exact_duplicate"] == count["exact"] == 10
+    assert m["removed/contaminated"] == count["contaminated"] == 5
+    assert m["removed/gopher_quality"] == 4 and m["removed/gopher_repetition"] == 4
+    assert m["documents_kept"] == m["documents_in"] - sum(v for k, v in m.items() if k.startswith("removed/"))
+    kept = read_documents(out / "documents")
+    assert len(kept) == m["documents_kept"] and m["bytes_kept"] == sum(len(t.encode()) for t in kept)
+
+    # near duplicates against the ground truth: a pair at or over the threshold loses one of its two documents
+    removed = {json.loads(line)["text"] for shard in (out / "removed" / "near_duplicate").glob("*.gz")
+               for line in gzip.open(shard, "rt")}
+    truth = [(a, b) for a, b, j in planted["pairs"] if j >= THRESHOLD]
+    assert 5 <= len(truth) < len(planted["pairs"])  # both sides of the threshold are planted
+    found = [(a, b) for a, b in truth if docs[a][1] in removed or docs[b][1] in removed]
+    right = [t for t in removed if any(t in (docs[a][1], docs[b][1]) for a, b in truth)]
+    recall, precision = len(found) / len(truth), len(right) / len(removed)
+    assert recall >= 0.9 and precision >= 0.95, (recall, precision, planted["pairs"])
+    assert m["removed/near_duplicate"] == len(removed)
+
+    # PII replaced; what was checked recorded; a few removed examples for the report
+    pii = [t for t in kept if "Write to" in t]
+    assert len(pii) == 3 and not any("@example.net" in t or "8.8.1.8" in t for t in pii)
+    checked = json.loads((out / "decontamination.json").read_text())
+    assert checked["data.eval"]["indexed"] == 5 and "data.sft held-out" in checked
+    funnel = json.loads((out / "funnel.json").read_text())
+    assert len(funnel["examples"]["contaminated"]) == 3 and funnel["examples"]["contaminated"][0]["contaminated_ngram"]
+
+
+def test_curate_then_tokenize_then_pretrain(tmp_path, planted, curated):
+    cfg, _, manifest, out = curated
+    root = Path(cfg.run.root)
+    cfg, path = curate_config(root, planted, "pretrain.max_steps=6", "pretrain.eval_every=3", "pretrain.save_every=3")
+    assert locate(cfg, "curate")[0] == out  # the same curate output: pretraining settings do not change it
+    tokenized = execute(cfg, "tokenize")
+    assert tokenized["inputs"]["curate"]["fingerprint"] == manifest["fingerprint"]
+    assert tokenized["metrics"]["documents"] == manifest["metrics"]["documents_kept"]
+    pretrained, _, _ = run_stage(cfg, path, "pretrain")
+    assert pretrained["metrics"]["global_step"] == 6 and pretrained["metrics"]["val_loss"] < 10
+
+
+def test_a_killed_curate_resumes_with_its_finished_passes_kept(tmp_path, planted, curated):
+    cfg, path = curate_config(tmp_path / "killed", planted)
+    out = locate(cfg, "curate")[0]
+    cmd = [sys.executable, "-m", "gptforge.stages.curate", "--config", str(path), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = out / "work" / "logs" / "filter" / "stats.json"
+    deadline = time.monotonic() + 300
+    while not first.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # after its first pass, before its last
+    proc.wait()
+    assert first.is_file() and not (out / "funnel.json").exists()
+    done = {p.name: p.stat().st_mtime_ns for p in (out / "work" / "logs" / "filter" / "completions").iterdir()}
+    assert len(done) == 4
+    execute(cfg, "curate")
+    again = {p.name: p.stat().st_mtime_ns for p in (out / "work" / "logs" / "filter" / "completions").iterdir()}
+    assert again == done  # the finished tasks were kept, not run again
+    assert read_documents(out / "documents") == read_documents(curated[3] / "documents")
+
+
+def test_bad_curate_input_is_one_line_before_anything_runs(tmp_path, planted):
+    cases = [
+        (["curate.filters={gopher_qualty: {}}"], "curate.filters: unknown filter 'gopher_qualty'"),
+        (["curate.near_dedup.threshold=1.5"], "curate.near_dedup.threshold: Input should be less than or equal to 1"),
+        (["curate.decontaminate.extra=[/nonexistent/items.jsonl]"],
+         "curate.decontaminate.extra: cannot read /nonexistent/items.jsonl"),
+        (["curate.languages=[en]", "curate.language_model=/nonexistent/lid.176.bin"],
+         "curate.language_model: /nonexistent/lid.176.bin is neither lingua nor a fastText model file"),
+    ]
+    for overrides, line in cases:
+        proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c",
+                               str(config(tmp_path, f"data.pretrain={planted['root']}/part-*.jsonl")[1]),
+                               "--set", "curate.enabled=true", *[a for o in overrides for a in ("--set", o)]],
+                              capture_output=True, text=True, cwd=tmp_path)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode in (1, 2) and line in last and last.startswith("error: "), proc.stderr[-2000:]
+        assert not (tmp_path / "store" / "curate").exists()
+
+
+def test_lingua_keeps_the_languages_asked_for():
+    from datatrove.data import Document
+
+    from gptforge.data.curation import LinguaFilter
+
+    keep = LinguaFilter(["en"], 0.5)
+    assert keep.filter(Document(text="The weather is lovely today and we are going to the park.", id="1")) is True
+    assert keep.filter(Document(text="Das Wetter ist heute schön und wir gehen in den Park.", id="2")) == \
+        (False, "language")
