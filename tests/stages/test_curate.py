@@ -139,6 +139,19 @@ def test_the_funnel_counts_each_planted_kind_and_near_duplicates_are_found_by_ja
     assert len(funnel["examples"]["contaminated"]) == 3 and funnel["examples"]["contaminated"][0]["contaminated_ngram"]
 
 
+def test_the_report_shows_the_funnel_as_a_table_a_plot_and_examples(tmp_path, curated):
+    from gptforge.pipeline.report import draw_funnel, funnel_markdown
+
+    out, m = curated[3], curated[2]["metrics"]
+    draw_funnel(m, tmp_path / "funnel.png")
+    md = funnel_markdown(out, lambda name: f"plots/{name}.png")
+    left = m["documents_in"] - m["removed/gopher_repetition"]
+    assert (tmp_path / "funnel.png").stat().st_size > 1000 and "![curate-funnel](plots/curate-funnel.png)" in md
+    assert f"| gopher_repetition | 4 | {left:,} |" in md and f"| near_duplicate | {m['removed/near_duplicate']} | " \
+        f"{m['documents_kept']:,} |" in md
+    assert "Removed as **contaminated**, for example:" in md
+
+
 def test_curate_then_tokenize_then_pretrain(tmp_path, planted, curated):
     cfg, _, manifest, out = curated
     root = Path(cfg.run.root)
