@@ -178,7 +178,8 @@ def main() -> int:
                         if "gptforge-run:a" in r["tags"]}
             seen["A's child stage runs: tokenize and pretrain"] = sorted(children.values()) == ["pretrain · a",
                                                                                               "tokenize · a"]
-            seen["its Subflow Runs tab opens"] = click_text(driver, "Subflow Runs", "li.p-tab, [role=tab], button")
+            seen["its Subflow Runs tab opens"] = poll(  # the tabs render after the run's graph, on a busy machine late
+                lambda: click_text(driver, "Subflow Runs", "li.p-tab, [role=tab], button"), 60)
             deadline, linked = time.time() + 60, False
             while not linked and time.time() < deadline:
                 time.sleep(1)

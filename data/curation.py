@@ -16,7 +16,7 @@ filters, PII formatter, exact and MinHash deduplication, n-gram decontamination 
   keeps a pair only where the share of equal hashes over the whole signature, MinHash's estimate of the Jaccard
   similarity, reaches `curate.near_dedup.threshold`, so that the threshold is what decides.
 - `LinguaFilter`: language identification offline. datatrove's LanguageFilter downloads a fastText model; lingua
-  ships its models in its wheel (a local fastText model goes through datatrove's own filter).
+  ships its models in its wheel. `LocalFastTextLID` gives datatrove's own filter a local fastText model instead.
 - `Decontaminate`: datatrove's NGramsDecontFilter for each n-gram length of the index that
   gptforge.data.decontamination builds (datatrove's indexer reads lighteval's task registry, which downloads); an
   item shorter than n is matched whole, as its own length.
@@ -35,6 +35,7 @@ from datatrove.pipeline.dedup.minhash import MinhashDedupSignature
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.utils.binaryio import read_tuples_from_file
+from datatrove.utils.lid import FastTextLID
 
 from gptforge.core.errors import DataError, UserError
 from gptforge.data.corpus import Reading, documents
@@ -210,6 +211,23 @@ class LinguaFilter(BaseFilter):
             if code in self.languages and best[0].value >= self.threshold:
                 return True
         return False, "language"
+
+
+class LocalFastTextLID(FastTextLID):
+    """datatrove's fastText language identification over a local model file (`curate.language_model`): its own
+    FT176LID downloads lid.176.bin."""
+
+    def __init__(self, path: str, languages: list[str]):
+        super().__init__(languages)
+        self.path = str(Path(path).resolve())
+
+    @property
+    def model(self):
+        if self._model is None:
+            from fasttext.FastText import _FastText
+
+            self._model = _FastText(self.path)
+        return self._model
 
 
 class Decontaminate(BaseFilter):

@@ -32,8 +32,8 @@ from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
 from gptforge.core.files import write_json_atomic
 from gptforge.data.corpus import Reading
-from gptforge.data.curation import (SHARD, Decontaminate, FullSignatures, LinguaFilter, RankShardReader, Tally,
-                                    UnitReader, VerifiedPairs, quality_filter, text_of)
+from gptforge.data.curation import (SHARD, Decontaminate, FullSignatures, LinguaFilter, LocalFastTextLID,
+                                    RankShardReader, Tally, UnitReader, VerifiedPairs, quality_filter, text_of)
 from gptforge.data.decontamination import build_index, evaluation_items
 from gptforge.data.parallel import ray_instance
 from gptforge.data.sources import units
@@ -44,25 +44,14 @@ MAX_TASKS = 256  # datatrove tasks a pass, where curate.tasks is 0 (one a unit o
 
 
 def language_filter(cc, exclusion_writer):
-    """lingua (offline), or datatrove's fastText filter over a local model (curate.language_model)."""
+    """lingua (offline), or datatrove's fastText filter over a local model file (curate.language_model)."""
     if cc.language_model == "lingua":
         return LinguaFilter(cc.languages, cc.language_threshold, exclusion_writer)
     from datatrove.pipeline.filters import LanguageFilter
-    from datatrove.utils.lid import FT176LID
-
-    class LocalFT176(FT176LID):  # datatrove's fastText LID, its model read from the local path, never downloaded
-        def __init__(self, languages, k=-1):
-            super().__init__(languages, k)
-            self.model_url = str(Path(cc.language_model).resolve())
-
-        def _initialize_model(self):
-            import fasttext
-
-            self._model = fasttext.load_model(self.model_url)
 
     lid = LanguageFilter(languages=cc.languages, language_threshold=cc.language_threshold,
                          exclusion_writer=exclusion_writer)
-    lid.model = LocalFT176(cc.languages)
+    lid.model = LocalFastTextLID(cc.language_model, cc.languages)  # never downloaded
     return lid
 
 
@@ -85,11 +74,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     tasks = cc.tasks or min(len(plan), MAX_TASKS)
     workers = cfg.tokenizer.num_workers or os.cpu_count() or 1
 
-    def removed(reason: str):
-        return JsonlWriter(str(out_dir / "removed" / reason), output_filename=SHARD.replace("{rank:05d}", "${rank}"))
-
-    def shards(folder: Path):
+    def shards(folder: Path):  # a task's documents, one file a task
         return JsonlWriter(str(folder), output_filename=SHARD.replace("{rank:05d}", "${rank}"))
+
+    def removed(reason: str):
+        return shards(out_dir / "removed" / reason)
 
     # What the pipeline evaluates on, indexed once (a resumed stage reuses the index it wrote)
     record = {}

@@ -162,9 +162,8 @@ class CurateSection(Section):
     sources: list[Literal["pretrain"]] = Setting(["pretrain"], description="The data sources curated.")
     exact_dedup: bool = Setting(True, description="Remove exact duplicates (the text's hash), keeping one.")
     near_dedup: NearDedupSection = Setting(default_factory=NearDedupSection, description="MinHash near-dedup.")
-    filters: dict[str, dict] = Setting({}, description="Quality filters and their arguments, e.g. {gopher_quality: "
-                                       "{min_doc_words: 50}, gopher_repetition: {}, c4: {}, fineweb: {}} (datatrove's "
-                                       "defaults where none are given).")
+    filters: dict[str, dict] = Setting({}, description="Quality filters in order, each with its arguments: "
+                                       "gopher_repetition, gopher_quality, c4, fineweb, e.g. {c4: {}}.")
     pii: bool = Setting(True, description="Replace email and IP addresses (datatrove's PIIFormatter).")
     languages: list[str] = Setting([], description="Keep documents in these languages (ISO 639-1, e.g. [en]); "
                                    "empty: no language filter.")
