@@ -6,6 +6,7 @@ filters, PII formatter, exact and MinHash deduplication, n-gram decontamination 
   cover JSONL, Parquet, IPC, CSV, WARC and hub datasets, but not byte ranges of one large text file, `.json`
   arrays, `save_to_disk` folders or the demo; this reader is tokenize's own (gptforge.data.sources and .corpus),
   so a curated corpus is read exactly as tokenize reads it, bad rows counted and named by file and line.
+- `RowsReader`: the training rows of data.sft or data.preference, as documents of their texts.
 - `RankShardReader`: a pass reads back the documents the pass before wrote for the same task. datatrove's dedup
   filters find a document by its position within its task, so each task must read its own file; JsonlReader shares
   the files out by their position in the folder, which shifts when a task kept no document and wrote none.
@@ -39,6 +40,7 @@ from datatrove.utils.lid import FastTextLID
 
 from gptforge.core.errors import DataError, UserError
 from gptforge.data.corpus import Reading, documents
+from gptforge.data.decontamination import item_text
 from gptforge.data.sources import Unit
 
 SHARD = "{rank:05d}.jsonl.gz"  # a task's documents between passes, and in the stage's output
@@ -81,6 +83,24 @@ class UnitReader(PipelineStep):
             if bad and self.on_bad_row == "fail":
                 line, reason = bad[0]
                 raise DataError(f"{unit.path}:{line}: {reason} (data.on_bad_row=fail)")
+
+
+class RowsReader(PipelineStep):
+    """The training rows of data.sft or data.preference (their held-out rows settled before: gptforge.data.splits),
+    rows[rank::world_size], each a document of its texts whose id is the row's index: the stage writes the rows it
+    kept back by their ids, as rows."""
+
+    type = "📖 - READER"
+    name = "gptforge rows"
+
+    def __init__(self, rows: list[dict], bad_rows: int):
+        super().__init__()
+        self.rows, self.bad_rows = rows, bad_rows
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for i in range(rank, len(self.rows), world_size):
+            yield Document(text=item_text(self.rows[i]), id=str(i))
+        self.stat_update("bad_rows", value=self.bad_rows if rank == 0 else 0)
 
 
 class RankShardReader(JsonlReader):

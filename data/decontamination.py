@@ -24,31 +24,33 @@ from gptforge.data import demo, splits
 from gptforge.data.sources import kind_of
 
 
-def _text(value) -> str:
-    """The words of an item: a string, a message list, or a row's prompt/answer/chosen fields, joined."""
+TEXT_FIELDS = ("messages", "prompt", "question", "answer", "chosen", "rejected", "text")
+
+
+def item_text(value) -> str:
+    """The words of an item: a string, a message list, or a row's TEXT_FIELDS, joined."""
     if value is None:
         return ""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return " ".join(_text(m.get("content") if isinstance(m, dict) else m) for m in value)
+        return " ".join(item_text(m.get("content") if isinstance(m, dict) else m) for m in value)
     if isinstance(value, dict):
-        return " ".join(_text(value.get(k)) for k in ("messages", "prompt", "question", "answer", "chosen", "text")
-                        if k in value)
+        return " ".join(item_text(value.get(k)) for k in TEXT_FIELDS if k in value)
     return str(value)
 
 
 def evaluation_items(cfg) -> dict[str, list[str]]:
     """{source: item texts} of everything the pipeline evaluates on but the harness tasks (see the module's doc)."""
     data, out = cfg.data, {}
-    out["data.sft held-out"] = [_text(c) for c in splits.conversations(data).val]
-    out["data.preference held-out"] = [_text(p) for p in splits.preference_pairs(data).val]
+    out["data.sft held-out"] = [item_text(c) for c in splits.conversations(data).val]
+    out["data.preference held-out"] = [item_text(p) for p in splits.preference_pairs(data).val]
     if data.prompts.path is not None:
-        out["data.prompts held-out"] = [_text(p) for p in splits.online_prompts(data).val]
+        out["data.prompts held-out"] = [item_text(p) for p in splits.online_prompts(data).val]
     if data.eval.path is not None:
-        out["data.eval"] = [_text(it) for it in splits.eval_set(data, "sft").items]
+        out["data.eval"] = [item_text(it) for it in splits.eval_set(data, "sft").items]
     if "demo" in {kind_of(s.path) for s in (data.sft, data.preference, data.eval, data.prompts) if s.path}:
-        out["demo held-out items"] = [_text(it) for it in demo.from_settings(data.demo, "eval").eval]
+        out["demo held-out items"] = [item_text(it) for it in demo.from_settings(data.demo, "eval").eval]
     for path in cfg.curate.decontaminate.extra:
         out[f"extra {Path(path).name}"] = list(_extra_items(Path(path)))
     return out
@@ -61,7 +63,7 @@ def _extra_items(path: Path):
         for line in f:
             line = line.strip()
             if line:
-                yield _text(json.loads(line)) if line.startswith("{") else line
+                yield item_text(json.loads(line)) if line.startswith("{") else line
 
 
 def build_index(items: dict[str, list[str]], folder: Path, ngram: int, min_words: int) -> dict[str, dict]:

@@ -378,7 +378,7 @@ def file_digest(path: Path, cache_dir: Path | None) -> str:
 
 def fingerprint_source(source, demo_settings: dict, cache_dir: Path | None = None) -> str:
     """Content hash of a source: its files' bytes for local data (save_to_disk folders included), the generator
-    settings for the demo, the name, subset, split and resolved commit for hub data."""
+    settings for the demo, the name, subset, split and resolved commit for hub data; and the held_out file's bytes."""
     h = hashlib.sha256()
     kind = kind_of(source.path)
     if kind == "local":
@@ -394,4 +394,12 @@ def fingerprint_source(source, demo_settings: dict, cache_dir: Path | None = Non
     else:
         h.update(json.dumps({"hub": source.path, "subset": source.subset, "split": source.split,
                              "commit": resolve_revision(source)}).encode())
+    held_out = getattr(source, "held_out", None)  # rows held out from a file of their own
+    if held_out is not None:
+        try:
+            held = local_files(held_out)
+        except DataError as e:
+            raise DataError(f"held_out: {e}") from None
+        for f in held:
+            h.update(f"held_out|{f}|{file_digest(f, cache_dir)}".encode())
     return h.hexdigest()

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from gptforge.core.config.inputs import SourceSection
 from gptforge.core.errors import DataError
 from gptforge.data import demo
 from gptforge.data.formats import Normalised, normalise, to_eval_item, to_messages, to_pair, to_prompt_item
@@ -30,7 +31,12 @@ def _load(source, data_cfg, adapt, what: str) -> Normalised:
     return normalise(read_rows(source), adapt, data_cfg.on_bad_row, what)
 
 
-def _split(rows: Normalised) -> Split:
+def _split(source, data_cfg, adapt, what: str) -> Split:
+    """The source's rows, every VAL_EVERY-th held out; or all of them, and the rows of its `held_out` file."""
+    rows = _load(source, data_cfg, adapt, what)
+    if source.held_out is not None:
+        held = _load(SourceSection(path=source.held_out), data_cfg, adapt, what)
+        return Split(rows.items, held.items, rows.bad_rows + held.bad_rows)
     items = rows.items
     return Split([x for i, x in enumerate(items) if i % VAL_EVERY], items[::VAL_EVERY], rows.bad_rows)
 
@@ -41,7 +47,7 @@ def conversations(data_cfg) -> Split:
         d = demo.from_settings(data_cfg.demo, "sft")
         val = [{"messages": it["prompt"] + [{"role": "assistant", "content": it["answer"]}]} for it in d.eval]
         return Split(d.sft, val)
-    return _split(_load(data_cfg.sft, data_cfg, to_messages, "chat"))
+    return _split(data_cfg.sft, data_cfg, to_messages, "chat")
 
 
 def preference_pairs(data_cfg) -> Split:
@@ -49,7 +55,23 @@ def preference_pairs(data_cfg) -> Split:
     if kind_of(data_cfg.preference.path) == "demo":
         d = demo.from_settings(data_cfg.demo, "preference")
         return Split(d.preference, d.preference_eval)
-    return _split(_load(data_cfg.preference, data_cfg, to_pair, "preference"))
+    return _split(data_cfg.preference, data_cfg, to_pair, "preference")
+
+
+def curated(cfg, inputs: dict[str, Path]):
+    """The config a stage reads its data by, where the curate stage ran before it (`inputs["curate"]`): data.pretrain
+    is curate's documents; data.sft and data.preference, where curated (curate.sources), curate's training rows with
+    the source's held-out rows as they were (`held_out`), so that every stage holds out the rows it would have."""
+    if "curate" not in inputs:
+        return cfg
+    out, data = inputs["curate"], {}
+    for which in cfg.curate.sources:
+        if which == "pretrain":
+            data.update(pretrain=SourceSection(path=str(out / "documents" / "*.jsonl.gz")), text_field="text")
+        else:
+            data[which] = SourceSection(path=str(out / which / "train.jsonl"),
+                                        held_out=str(out / which / "held_out.jsonl"))
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update=data)})
 
 
 def require(have: int, need: int, what: str, batch_key: str, source_key: str) -> None:
@@ -79,7 +101,7 @@ def online_prompts(data_cfg) -> Split:
             pairs, known = Split(d.preference, d.preference_eval), True
         return Split(*[[{"prompt": p, "answer": a if known else None} for p, a in answered_prompts(rows)]
                        for rows in (pairs.train, pairs.val)], pairs.bad_rows)
-    split = _split(_load(source, data_cfg, to_prompt_item, "prompts"))
+    split = _split(source, data_cfg, to_prompt_item, "prompts")
     columns = sorted({k for it in split.train + split.val for k in it} - {"prompt", "answer"})
     fill = [[{"prompt": it["prompt"], "answer": it["answer"], **{k: it.get(k) for k in columns}} for it in rows]
             for rows in (split.train, split.val)]
@@ -128,7 +150,7 @@ def eval_fingerprint(data_cfg, step: str, digest_cache: Path | None = None) -> s
     key, source = eval_source(data_cfg, step.removeprefix("eval-"))
     if kind_of(source.path) == "demo":
         content = json.dumps(demo.part_settings("eval", data_cfg.demo), sort_keys=True)
-    else:  # which rows a stage holds out follows from the content (every VAL_EVERY-th row)
+    else:  # which rows a stage holds out follows from the content (every VAL_EVERY-th row, or its held_out file)
         content = f"{key}|{fingerprint_source(source, {}, digest_cache)}|{data_cfg.on_bad_row}|{VAL_EVERY}"
     return hashlib.sha256(content.encode()).hexdigest()
 

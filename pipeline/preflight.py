@@ -28,6 +28,7 @@ from pathlib import Path
 
 from gptforge.core.config import ALGORITHMS, ONLINE_ALGORITHMS, PipelineConfig, dump_config
 from gptforge.core.errors import ConfigError
+from gptforge.data.sources import kind_of
 from gptforge.model.eval.harness import check_tasks
 from gptforge.model.eval.rewards import REWARD_MODEL, user_function
 from gptforge.model.pretrained import check_models
@@ -99,7 +100,8 @@ def check_devices(cfg: PipelineConfig, steps: list[str], here: bool = False) -> 
 
 def check_curate(cfg: PipelineConfig) -> None:
     """What the curate stage reads besides its data: each filter built with its arguments (datatrove's own check),
-    the language model (lingua, or a local fastText file: nothing is downloaded), the extra evaluation files."""
+    the language model (lingua, or a local fastText file: nothing is downloaded), the extra evaluation files, and
+    sources it can curate."""
     cc = cfg.curate
     for name, args in cc.filters.items():
         from gptforge.data.curation import quality_filter  # datatrove: only where a run curates
@@ -115,6 +117,10 @@ def check_curate(cfg: PipelineConfig) -> None:
     for path in cc.decontaminate.extra if cc.decontaminate.enabled else ():
         if not Path(path).is_file():
             raise ConfigError(f"curate.decontaminate.extra: cannot read {path}: no such file")
+    for which in cc.sources:
+        if which != "pretrain" and kind_of(getattr(cfg.data, which).path) == "demo":
+            raise ConfigError(f"curate.sources: data.{which} is the demo, whose templated rows are near copies by "
+                              f"design and whose held-out answers its rewards verify; curate a file or hub dataset")
 
 
 def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], None]) -> None:

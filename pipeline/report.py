@@ -96,52 +96,69 @@ def draw(panels: list[tuple[str, dict[str, list], str]], title: str, path: Path)
 FUNNEL = "curate-funnel"  # the curate stage's plot
 
 
-def funnel_steps(metrics: dict) -> list[tuple[str, int, int]]:
-    """The curate stage's funnel from its metrics: (step, documents it removed, documents left after it), from the
-    documents read to those kept, in the order the stage removed them."""
-    left, out = metrics["documents_in"], [("read", 0, metrics["documents_in"])]
+def funnel_sources(metrics: dict) -> list[tuple[str, str]]:
+    """(source, metric prefix) of each source the curate stage curated: data.pretrain's funnel is unprefixed, the
+    training rows of data.sft and data.preference under `sft/` and `preference/`."""
+    return [(f"data.{which or 'pretrain'}", f"{which}/" if which else "") for which in ("", "sft", "preference")
+            if f"{which}/documents_in".lstrip("/") in metrics]
+
+
+def funnel_steps(metrics: dict, prefix: str = "") -> list[tuple[str, int, int]]:
+    """A curated source's funnel from the stage's metrics: (step, documents it removed, documents left after it),
+    from the documents read to those kept, in the order the stage removed them."""
+    left = metrics[f"{prefix}documents_in"]
+    out = [("read", 0, left)]
     for key, n in metrics.items():
-        if key.startswith("removed/"):
+        if key.startswith(f"{prefix}removed/"):
             left -= n
-            out.append((key.removeprefix("removed/"), n, left))
+            out.append((key.removeprefix(f"{prefix}removed/"), n, left))
     return out
 
 
 def draw_funnel(metrics: dict, path: Path) -> None:
-    """Documents left after each step of the curate stage, one bar a step."""
+    """Documents left after each step of the curate stage, one bar a step (its first source's: data.pretrain's
+    where it curated it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = funnel_steps(metrics)
+    source, prefix = funnel_sources(metrics)[0]
+    steps = funnel_steps(metrics, prefix)
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(steps) + 1.2))
     ax.barh([s for s, _, _ in steps][::-1], [left for _, _, left in steps][::-1], color="#4c72b0")
     for y, (_, removed, left) in enumerate(steps[::-1]):
         ax.text(left, y, f" {left:,}" + (f" (-{removed:,})" if removed else ""), va="center", fontsize="small")
     ax.set_xlabel("documents left")
-    ax.set_title(f"curate: {metrics['documents_kept']:,} of {metrics['documents_in']:,} documents kept "
-                 f"({metrics['bytes_kept'] / max(metrics['bytes_in'], 1):.0%} of the bytes)")
-    ax.set_xlim(0, metrics["documents_in"] * 1.25)
+    kept, read = metrics[f"{prefix}documents_kept"], metrics[f"{prefix}documents_in"]
+    ax.set_title(f"curate {source}: {kept:,} of {read:,} kept "
+                 f"({metrics[f'{prefix}bytes_kept'] / max(metrics[f'{prefix}bytes_in'], 1):.0%} of the bytes)")
+    ax.set_xlim(0, read * 1.25)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
 def funnel_markdown(out_dir: Path, image) -> str:
-    """The curate stage's funnel as a table, its plot (`image(name)`: the plot's address) and a few removed
-    documents for each reason."""
+    """The curate stage's funnel of each source as a table, the plot (`image(name)`: the plot's address) and a few
+    removed documents for each reason."""
     funnel = json.loads((out_dir / "funnel.json").read_text())
-    m, total = funnel["metrics"], max(funnel["metrics"]["documents_in"], 1)
-    md = ["## Curation funnel", "", "| step | removed | documents left | share of the input |",
-          "| --- | --- | --- | --- |"]
-    md += [f"| {step} | {removed:,} | {left:,} | {left / total:.1%} |" for step, removed, left in funnel_steps(m)]
-    md += ["", f"Bytes: {m['bytes_kept']:,} of {m['bytes_in']:,} kept.", "", f"![{FUNNEL}]({image(FUNNEL)})", ""]
-    for reason, examples in funnel["examples"].items():
-        if examples:
-            md.append(f"Removed as **{reason}**, for example:")
-            md += [f"- `{e['id']}`: {e['text'][:160].replace(chr(10), ' ')}..." for e in examples]
-            md.append("")
+    m, md = funnel["metrics"], ["## Curation funnel", ""]
+    for n, (source, prefix) in enumerate(funnel_sources(m)):
+        total = max(m[f"{prefix}documents_in"], 1)
+        what = "documents" if not prefix else "training rows (the held-out rows are left as they are)"
+        md += [f"### {source}: {what}", "", "| step | removed | left | share of the input |",
+               "| --- | --- | --- | --- |"]
+        md += [f"| {step} | {removed:,} | {left:,} | {left / total:.1%} |"
+               for step, removed, left in funnel_steps(m, prefix)]
+        md += ["", f"Bytes: {m[f'{prefix}bytes_kept']:,} of {m[f'{prefix}bytes_in']:,} kept.", ""]
+        if n == 0:
+            md += [f"![{FUNNEL}]({image(FUNNEL)})", ""]
+        for reason, examples in funnel["examples"].get(source.removeprefix("data."), {}).items():
+            if examples:
+                md.append(f"Removed as **{reason}**, for example:")
+                md += [f"- `{e['id']}`: {e['text'][:160].replace(chr(10), ' ')}..." for e in examples]
+                md.append("")
     return "\n".join(md)
 
 

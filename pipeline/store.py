@@ -37,9 +37,10 @@ def data_of(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     data = STAGES[step].data
     if data is None:
         return ()
-    if step == "curate" and cfg.curate.decontaminate.enabled:  # and everything it decontaminates against
-        return ("pretrain", "sft", "preference") + tuple(d for d in ("prompts", "eval")
-                                                         if getattr(cfg.data, d).path is not None)
+    if step == "curate":  # the sources it curates, and everything it decontaminates against
+        against = ("pretrain", "sft", "preference") + tuple(d for d in ("prompts", "eval")
+                                                            if getattr(cfg.data, d).path is not None)
+        return against if cfg.curate.decontaminate.enabled else tuple(cfg.curate.sources)
     if step in ALGORITHMS and step != "dpo" and cfg.data.prompts.path is not None:
         return ("prompts", "preference") if getattr(cfg.preference, step).ptx_coef else ("prompts",)
     return (data,)
@@ -107,11 +108,13 @@ def _hash(obj) -> str:
 
 def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     """The steps whose outputs `step` reads. A pipeline that starts from model.pretrained without pretraining it
-    has no tokenize or pretrain step (sft, and eval-sft for its base, read that model itself); with
+    has no tokenize or pretrain step (sft, and eval-sft for its base, read that model itself); a stage reads the
+    curate stage's output only where curate.enabled and curate.sources holds its data (gptforge.data.splits.curated);
+    with
     preference.reward_model, or no reward model among preference.rewards, there is no reward stage; a reward
     model started from reward.pretrained reads SFT's output only to sample it (reward.policy_samples)."""
     drop = set() if cfg.pretrain.enabled else {"pretrain"}
-    drop |= set() if cfg.curate.enabled else {"curate"}
+    drop |= set() if cfg.curate.enabled and STAGES[step].data in cfg.curate.sources else {"curate"}
     drop |= set() if cfg.trains_reward_model() else {"reward"}
     drop |= {"sft"} if step == "reward" and cfg.reward.pretrained and not cfg.reward.policy_samples else set()
     return tuple(u for u in STAGES[step].inputs if u not in drop)

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import UserError
 from gptforge.core.files import write_json_atomic
+from gptforge.data import splits
 from gptforge.data.corpus import Reading
 from gptforge.data.curation import (SHARD, Decontaminate, FullSignatures, LinguaFilter, LocalFastTextLID,
-                                    RankShardReader, Tally, UnitReader, VerifiedPairs, quality_filter, text_of)
+                                    RankShardReader, RowsReader, Tally, UnitReader, VerifiedPairs, quality_filter,
+                                    text_of)
 from gptforge.data.decontamination import build_index, evaluation_items
 from gptforge.data.parallel import ray_instance
 from gptforge.data.sources import units
@@ -63,27 +66,13 @@ def stat(step: dict, key: str) -> int:
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from datatrove.executor.ray import RayPipelineExecutor
-    from datatrove.pipeline.dedup import (ExactDedupFilter, ExactDedupSignature, ExactFindDedups, MinhashConfig,
-                                          MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter)
-    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
-    from datatrove.pipeline.formatters import PIIFormatter
-    from datatrove.pipeline.writers import JsonlWriter
 
     cc, work = cfg.curate, out_dir / "work"
-    plan = units(cfg.data.pretrain, demo_docs=cfg.data.demo.pretrain_docs)
-    tasks = cc.tasks or min(len(plan), MAX_TASKS)
     workers = cfg.tokenizer.num_workers or os.cpu_count() or 1
-
-    def shards(folder: Path):  # a task's documents, one file a task
-        return JsonlWriter(str(folder), output_filename=SHARD.replace("{rank:05d}", "${rank}"))
-
-    def removed(reason: str):
-        return shards(out_dir / "removed" / reason)
+    index = work / "decontamination"
 
     # What the pipeline evaluates on, indexed once (a resumed stage reuses the index it wrote)
-    record = {}
     if cc.decontaminate.enabled:
-        index = work / "decontamination"
         done = out_dir / "decontamination.json"
         if not done.is_file():
             items = {**evaluation_items(cfg), **task_documents(cfg.eval)}
@@ -92,44 +81,99 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         print(f"[curate] decontaminating against {sum(r['indexed'] for r in record.values())} items of "
               f"{len(record)} sources: {', '.join(record)}", flush=True)
 
-    # (pass name, its blocks, its tasks; the reason each filter's drops count under)
-    passes: list[tuple[str, list, int, dict[int, str]]] = []
+    # Each source's passes: data.pretrain's documents through every block, into documents/; the training rows of
+    # data.sft and data.preference (their held-out rows settled first, and left as they are) through PII,
+    # decontamination and dedup, into <source>/train.jsonl beside <source>/held_out.jsonl
+    jobs, rows = [], {}
+    if "pretrain" in cc.sources:
+        plan = units(cfg.data.pretrain, demo_docs=cfg.data.demo.pretrain_docs)
+        reader = UnitReader(plan, Reading(cfg.data.pretrain, cfg.data.text_field, cfg.data.demo), cfg.data.on_bad_row)
+        jobs.append(("pretrain", passes(cfg, reader, cc.tasks or min(len(plan), MAX_TASKS), work, out_dir, index)))
+    for which in (s for s in cc.sources if s != "pretrain"):
+        rows[which] = splits.conversations(cfg.data) if which == "sft" else splits.preference_pairs(cfg.data)
+        reader = RowsReader(rows[which].train, rows[which].bad_rows)
+        jobs.append((which, passes(cfg, reader, cc.tasks or workers, work / which, out_dir / which, index)))
+
+    with ray_instance(cfg.tokenizer.cluster, workers):
+        for which, source_passes in jobs:
+            for name, blocks, n, _ in source_passes:
+                label = name if which == "pretrain" else f"{which} {name}"
+                logs = work / "logs" / label.replace(" ", "-")
+                run_pass(RayPipelineExecutor(blocks, tasks=n, logging_dir=str(logs)), label)
+    metrics, shown = {}, {}
+    for which, source_passes in jobs:
+        prefix = "" if which == "pretrain" else f"{which}/"
+        folder = out_dir if which == "pretrain" else out_dir / which
+        m = funnel(source_passes, work / "logs", "" if which == "pretrain" else f"{which}-")
+        metrics.update({prefix + k: v for k, v in m.items()})
+        shown[which] = {reason.removeprefix("removed/"): removed_examples(folder / reason, cc.examples)
+                        for reason in m if reason.startswith("removed/")}
+        if which in rows:
+            write_rows(folder, rows[which], cc.pii)
+        print(f"[curate] {which}: kept {m['documents_kept']} of {m['documents_in']} "
+              f"{'documents' if which == 'pretrain' else 'training rows'} ({m['bytes_kept']:,} of "
+              f"{m['bytes_in']:,} bytes); removed " + ", ".join(f"{k.removeprefix('removed/')} {n}"
+                                                                 for k, n in m.items() if k.startswith("removed/")),
+              flush=True)
+    write_json_atomic(out_dir / "funnel.json", {"metrics": metrics, "examples": shown})
+    return metrics
+
+
+def passes(cfg: PipelineConfig, reader, tasks: int, work: Path, out: Path, index: Path) -> list[tuple[str, list, int,
+                                                                                                   dict]]:
+    """The passes that curate one source: (name, its blocks, its tasks, {block index: the reason it removes for}).
+    The language and quality filters apply to data.pretrain's documents (UnitReader) alone. Kept documents go to
+    `out/documents/`, removed ones to `out/removed/<reason>/`."""
+    from datatrove.pipeline.dedup import (ExactDedupFilter, ExactDedupSignature, ExactFindDedups, MinhashConfig,
+                                          MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter)
+    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig
+    from datatrove.pipeline.formatters import PIIFormatter
+    from datatrove.pipeline.writers import JsonlWriter
+
+    cc, documents = cfg.curate, isinstance(reader, UnitReader)
+
+    def shards(folder: Path):  # a task's documents, one file a task
+        return JsonlWriter(str(folder), output_filename=SHARD.replace("{rank:05d}", "${rank}"))
+
+    def removed(reason: str):
+        return shards(out / "removed" / reason)
+
+    out_list: list[tuple[str, list, int, dict[int, str]]] = []
     exact = ExactDedupConfig(content_getter=text_of) if cc.exact_dedup else None
     minhash = MinhashConfig(n_grams=cc.near_dedup.ngram, num_buckets=cc.near_dedup.bands,
                             hashes_per_bucket=cc.near_dedup.rows) if cc.near_dedup.enabled else None
-    reading = Reading(cfg.data.pretrain, cfg.data.text_field, cfg.data.demo)
-    blocks, reasons = [UnitReader(plan, reading, cfg.data.on_bad_row), Tally("in")], {}
-    if cc.languages:
+    blocks, reasons = [reader, Tally("in")], {}
+    if cc.languages and documents:
         reasons[len(blocks)] = "language"
         blocks.append(language_filter(cc, removed("language")))
-    for name, args in cc.filters.items():
+    for name, args in cc.filters.items() if documents else ():
         reasons[len(blocks)] = name
         blocks.append(quality_filter(name, args, removed(name)))
     if cc.pii:
         blocks.append(PIIFormatter())
     if cc.decontaminate.enabled:
         reasons[len(blocks)] = "contaminated"
-        blocks.append(Decontaminate(work / "decontamination", removed("contaminated")))
+        blocks.append(Decontaminate(index, removed("contaminated")))
     last = "filtered"
     if exact or minhash:
         blocks.append(shards(work / "filtered"))
         if exact:
             blocks.append(ExactDedupSignature(str(work / "exact" / "signatures"), exact))
     else:
-        blocks += [Tally("kept"), shards(out_dir / "documents")]
-    passes.append(("filter", blocks, tasks, reasons))
+        blocks += [Tally("kept"), shards(out / "documents")]
+    out_list.append(("filter", blocks, tasks, reasons))
     if exact:
-        passes.append(("exact-find", [ExactFindDedups(str(work / "exact" / "signatures"),
-                                                      str(work / "exact" / "duplicates"), exact)], 1, {}))
+        out_list.append(("exact-find", [ExactFindDedups(str(work / "exact" / "signatures"),
+                                                        str(work / "exact" / "duplicates"), exact)], 1, {}))
         blocks = [RankShardReader(str(work / "filtered")),
                   ExactDedupFilter(str(work / "exact" / "duplicates"), exact, removed("exact_duplicate"))]
-        blocks += [shards(work / "deduped")] if minhash else [Tally("kept"), shards(out_dir / "documents")]
+        blocks += [shards(work / "deduped")] if minhash else [Tally("kept"), shards(out / "documents")]
         last = "deduped"
-        passes.append(("exact-filter", blocks, tasks, {1: "exact_duplicate"}))
+        out_list.append(("exact-filter", blocks, tasks, {1: "exact_duplicate"}))
     if minhash:
         sigs, hashes = work / "minhash" / "signatures", cc.near_dedup.bands * cc.near_dedup.rows
-        passes[-1][1].append(FullSignatures(sigs, minhash, work / "minhash" / "full"))  # as the survivors are written
-        passes += [
+        out_list[-1][1].append(FullSignatures(sigs, minhash, work / "minhash" / "full"))  # as survivors are written
+        out_list += [
             ("minhash-buckets", [MinhashDedupBuckets(str(sigs), str(work / "minhash" / "buckets"), config=minhash)],
              cc.near_dedup.bands, {}),
             ("minhash-verify", [VerifiedPairs(work / "minhash" / "full", work / "minhash" / "buckets",
@@ -139,18 +183,49 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                                                      str(work / "minhash" / "remove"), config=minhash)], 1, {}),
             ("minhash-filter", [RankShardReader(str(work / last)),
                                 MinhashDedupFilter(str(work / "minhash" / "remove"), removed("near_duplicate")),
-                                Tally("kept"), shards(out_dir / "documents")], tasks, {1: "near_duplicate"}),
+                                Tally("kept"), shards(out / "documents")], tasks, {1: "near_duplicate"}),
         ]
+    return out_list
 
-    with ray_instance(cfg.tokenizer.cluster, workers):
-        for name, blocks, n, _ in passes:
-            run_pass(RayPipelineExecutor(blocks, tasks=n, logging_dir=str(work / "logs" / name)), name)
-    return funnel(passes, work / "logs", out_dir, cc.examples)
+
+def write_rows(folder: Path, split, pii: bool) -> None:
+    """A curated source's rows: `train.jsonl`, the training rows curate kept, in their order (emails and IP
+    addresses replaced where curate.pii), and `held_out.jsonl`, the rows the source held out, as they were."""
+    import gzip
+
+    from datatrove.pipeline.formatters import PIIFormatter
+
+    ids = sorted(int(json.loads(line)["id"]) for shard in (folder / "documents").glob("*.jsonl.gz")
+                 for line in gzip.open(shard, "rt"))
+    fmt = PIIFormatter().format if pii else None
+    for name, rows in (("train.jsonl", [formatted(split.train[i], fmt) for i in ids]), ("held_out.jsonl", split.val)):
+        tmp = folder / f"{name}.part"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        tmp.replace(folder / name)
+
+
+def formatted(value, fmt):
+    """A normalised row with `fmt` applied to each of its texts (message contents, responses), roles left."""
+    if fmt is None:
+        return value
+    if isinstance(value, str):
+        return fmt(value)
+    if isinstance(value, list):
+        return [formatted(v, fmt) for v in value]
+    if isinstance(value, dict):
+        return {k: v if k == "role" else formatted(v, fmt) for k, v in value.items()}
+    return value
 
 
 def run_task(executor, rank: int) -> None:
-    """One datatrove task: the executor's own run of a rank (its log, stats and completion file), in a Ray worker."""
-    executor._run_for_rank(rank, local_rank=1)  # local_rank 1: the task's log to its file, errors alone to stderr
+    """One datatrove task: datatrove's run of a rank (its log, stats and completion file), in a Ray worker. The base
+    executor's: the Ray executor's logs each task to `<tmp>/ray_logs/logs/task_<rank>.log` first, one path for
+    every pipeline on the machine, so that two stages' tasks of the same rank wrote into one file and one of them
+    failed copying it back (a UnicodeDecodeError mid-character)."""
+    from datatrove.executor.base import PipelineExecutor
+
+    PipelineExecutor._run_for_rank(executor, rank, local_rank=1)  # local_rank 1: errors alone to stderr
 
 
 def run_pass(executor, name: str) -> None:
@@ -174,9 +249,11 @@ def run_pass(executor, name: str) -> None:
                 try:
                     ray.get(done[0])
                 except ray.exceptions.RayTaskError as e:
-                    cause = e.cause if isinstance(e.cause, UserError) else None
-                    raise cause or UserError(f"curate: pass {name}, task {rank} failed: {last_error(e)}; its log: "
-                                             f"{executor.logging_dir.path}/logs/task_{rank:05d}.log") from None
+                    if isinstance(e.cause, UserError):
+                        raise e.cause from None
+                    print(str(e), file=sys.stderr, flush=True)  # the task's traceback, above the error line
+                    raise UserError(f"curate: pass {name}, task {rank} failed: {last_error(e)}; its log: "
+                                   f"{executor.logging_dir.path}/logs/task_{rank:05d}.log") from None
         finally:
             for ref in pending:
                 ray.cancel(ref, force=True)
@@ -196,29 +273,23 @@ def last_error(error: Exception) -> str:
     return lines[-1].strip() if lines else type(error).__name__
 
 
-def funnel(passes, logs: Path, out_dir: Path, examples: int) -> dict:
-    """The stage's metrics from each pass's merged stats: documents and bytes in and kept, the documents each
-    reason removed, the bad rows; and `funnel.json` with a few removed documents for each reason."""
+def funnel(passes, logs: Path, prefix: str) -> dict:
+    """A source's funnel from each pass's merged stats (`logs/<prefix><pass>/stats.json`): documents and bytes in
+    and kept, the documents each reason removed (`removed/<reason>`), the bad rows."""
     metrics: dict = {}
     counts = {}
     for name, blocks, _, reasons in passes:
-        steps = json.loads((logs / name / "stats.json").read_text())
+        steps = json.loads((logs / f"{prefix}{name}" / "stats.json").read_text())
         for i, step in enumerate(steps):
             for label in ("in", "kept"):
                 if isinstance(blocks[i], Tally) and blocks[i].label == label:
                     metrics[f"documents_{label}"] = stat(step, f"{label}_documents")
                     metrics[f"bytes_{label}"] = stat(step, f"{label}_bytes")
-            if isinstance(blocks[i], UnitReader):
+            if isinstance(blocks[i], (UnitReader, RowsReader)):
                 metrics["bad_rows"] = stat(step, "bad_rows")
             if i in reasons:
                 counts[reasons[i]] = counts.get(reasons[i], 0) + stat(step, "dropped")
-    metrics.update({f"removed/{reason}": n for reason, n in counts.items()})
-    shown = {reason: removed_examples(out_dir / "removed" / reason, examples) for reason in counts}
-    write_json_atomic(out_dir / "funnel.json", {"metrics": metrics, "examples": shown})
-    print(f"[curate] kept {metrics['documents_kept']} of {metrics['documents_in']} documents "
-          f"({metrics['bytes_kept']:,} of {metrics['bytes_in']:,} bytes); removed "
-          + ", ".join(f"{r} {n}" for r, n in counts.items()), flush=True)
-    return metrics
+    return {**metrics, **{f"removed/{reason}": n for reason, n in counts.items()}}
 
 
 def removed_examples(folder: Path, n: int) -> list[dict]:

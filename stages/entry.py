@@ -20,6 +20,7 @@ from typing import NoReturn
 from gptforge.core.config import PipelineConfig, load_config
 from gptforge.core.errors import UserError, storage_error
 from gptforge.core.files import write_json_atomic
+from gptforge.data.splits import curated
 from gptforge.model.train.metrics import check_names
 from gptforge.model.train.tracking import stage_run
 
@@ -44,7 +45,7 @@ def run_rank(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir: 
         (out_dir / RESULT).unlink(missing_ok=True)  # a stale result never describes this run
     name = out_dir.parent.name if out_dir.parent.parent.name == "store" else name or out_dir.name
     with stage_run(cfg, name, out_dir, rank) as tracked:
-        metrics = run(cfg, inputs, out_dir)
+        metrics = run(curated(cfg, inputs), inputs, out_dir)  # a curated source: curate's output
         metrics.update(peak_memory(rank))
         check_names(metrics)
         tracked(metrics)

@@ -50,22 +50,23 @@ class Stage:
 EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 STAGES: dict[str, Stage] = {s.name: s for s in [
     # tokenize 2: streamed in units, shards format 2 (index with counts and max id). Its own Ray workers.
-    # curate: only where curate.enabled (gptforge.pipeline.store.upstream); its data: data.pretrain, and what it
-    # decontaminates against (gptforge.pipeline.store.data_of)
+    # curate: only where curate.enabled, and an input only of the stages whose data it curates (curate.sources:
+    # gptforge.pipeline.store.upstream); its data: those sources, and what it decontaminates against
+    # (gptforge.pipeline.store.data_of)
     Stage("curate", "curate", sections=("curate", "eval.harness_tasks", "eval.harness_include"), seeded=False,
           data="pretrain", outputs={"documents": "documents", "removed": "removed", "funnel": "funnel.json",
                                     "decontamination": "decontamination.json"}, launcher="single"),
     Stage("tokenize", "tokenize", ("curate",), ("tokenizer",), seeded=False, data="pretrain",
           outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=2),
     Stage("pretrain", "pretrain", ("tokenize",), ("model", "pretrain"), sequence_parallel=True),
-    Stage("sft", "sft", ("pretrain",), ("sft",), data="sft", sequence_parallel=True),
-    Stage("reward", "reward", ("sft",), ("reward",), data="preference"),
-    Stage("dpo", "dpo", ("sft",), ("preference", "preference.dpo"), data="preference",  # needs no reward model
+    Stage("sft", "sft", ("curate", "pretrain"), ("sft",), data="sft", sequence_parallel=True),
+    Stage("reward", "reward", ("curate", "sft"), ("reward",), data="preference"),
+    Stage("dpo", "dpo", ("curate", "sft"), ("preference", "preference.dpo"), data="preference",  # needs no reward model
           launcher="accelerate", sequence_parallel=True),
-    Stage("ppo", "ppo", ("sft", "reward"), ("preference", "preference.ppo"), data="preference"),
-    Stage("grpo", "grpo", ("sft", "reward"), ("preference", "preference.grpo"), data="preference",
+    Stage("ppo", "ppo", ("curate", "sft", "reward"), ("preference", "preference.ppo"), data="preference"),
+    Stage("grpo", "grpo", ("curate", "sft", "reward"), ("preference", "preference.grpo"), data="preference",
           launcher="accelerate", sequence_parallel=True),
-    Stage("rloo", "rloo", ("sft", "reward"), ("preference", "preference.rloo"), data="preference",
+    Stage("rloo", "rloo", ("curate", "sft", "reward"), ("preference", "preference.rloo"), data="preference",
           launcher="accelerate", sequence_parallel=True),
     # evaluation steps: one process unless eval.processes (gptforge.pipeline.nodes.evaluation_on_every_rank); the
     # store picks the eval fields each one reads (gptforge.pipeline.store.stage_config)

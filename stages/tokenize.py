@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from gptforge.core.config import PipelineConfig, SourceSection, tokenizer_source
+from gptforge.core.config import PipelineConfig, tokenizer_source
 from gptforge.core.errors import DataError
 from gptforge.core.files import write_json_atomic
 from gptforge.data.corpus import Encoding, Reading, Sample, Scan, encode_unit, scan_unit
@@ -121,16 +121,7 @@ def tokenizer(cfg: PipelineConfig, sample: Sample, tok_dir: Path):
     return tok, tok.token_to_id(tc.special_tokens[0])
 
 
-def curated(cfg: PipelineConfig, inputs: dict[str, Path]) -> PipelineConfig:
-    """The config tokenize reads its corpus by: data.pretrain is the curate stage's documents where it ran."""
-    if "curate" not in inputs:
-        return cfg
-    source = SourceSection(path=str(inputs["curate"] / "documents" / "*.jsonl.gz"))
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"pretrain": source, "text_field": "text"})})
-
-
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    cfg = curated(cfg, inputs)
     tc = cfg.tokenizer
     shard_dir, tok_dir = out_dir / "shards", out_dir / "tokenizer"
     done_dir = shard_dir / "units"

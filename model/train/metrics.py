@@ -106,6 +106,9 @@ FAMILIES = {
     "sft_pass@": "sft_pass@<k>/<label>: the same for the SFT model",
     "removed/": "removed/<reason>: documents the curate stage removed for that reason (exact_duplicate, "
                 "near_duplicate, contaminated, language, or a quality filter's name)",
+    "sft/": "sft/<name>: the curate stage's funnel over data.sft's training rows (documents_in, documents_kept, "
+            "bytes_in, bytes_kept, bad_rows, removed/<reason>)",
+    "preference/": "preference/<name>: the same over data.preference's training rows",
 }
 
 # What TRL's trainers log, in our names; their other keys are left out.

@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -136,7 +137,8 @@ def test_the_funnel_counts_each_planted_kind_and_near_duplicates_are_found_by_ja
     checked = json.loads((out / "decontamination.json").read_text())
     assert checked["data.eval"]["indexed"] == 5 and "data.sft held-out" in checked
     funnel = json.loads((out / "funnel.json").read_text())
-    assert len(funnel["examples"]["contaminated"]) == 3 and funnel["examples"]["contaminated"][0]["contaminated_ngram"]
+    shown = funnel["examples"]["pretrain"]["contaminated"]
+    assert len(shown) == 3 and shown[0]["contaminated_ngram"]
 
 
 def test_the_report_shows_the_funnel_as_a_table_a_plot_and_examples(tmp_path, curated):
@@ -173,6 +175,7 @@ def test_a_killed_curate_resumes_with_its_finished_passes_kept(tmp_path, planted
     deadline = time.monotonic() + 300
     while not first.is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert proc.poll() is None, f"the stage ended by itself (exit {proc.returncode}) before it was killed"
     os.killpg(proc.pid, signal.SIGKILL)  # after its first pass, before its last
     proc.wait()
     assert first.is_file() and not (out / "funnel.json").exists()
@@ -192,6 +195,8 @@ def test_bad_curate_input_is_one_line_before_anything_runs(tmp_path, planted):
          "curate.decontaminate.extra: cannot read /nonexistent/items.jsonl"),
         (["curate.languages=[en]", "curate.language_model=/nonexistent/lid.176.bin"],
          "curate.language_model: /nonexistent/lid.176.bin is neither lingua nor a fastText model file"),
+        (["curate.sources=[pretrain, sft]"], "curate.sources: data.sft is the demo"),
+        (["data.sft.held_out=/nonexistent/held.jsonl"], "data.sft: held_out: file not found: /nonexistent/held.jsonl"),
     ]
     for overrides, line in cases:
         proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c",
@@ -201,6 +206,67 @@ def test_bad_curate_input_is_one_line_before_anything_runs(tmp_path, planted):
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode in (1, 2) and line in last and last.startswith("error: "), proc.stderr[-2000:]
         assert not (tmp_path / "store" / "curate").exists()
+
+
+def test_sft_and_preference_rows_are_curated_with_their_held_out_rows_kept_and_sft_trains_on_them(
+        tmp_path, planted, pretrained, tokenized):
+    """curate.sources [sft, preference]: the training rows lose their exact and near duplicates and the row holding a
+    held-out row's text; PII is replaced; the held-out rows (every 20th) stay as they were; SFT trains on the rows
+    kept, and tokenize (data.pretrain not curated) is the session's own, reused."""
+    from gptforge.data import splits
+    from gptforge.pipeline.store import upstream
+    from tests.helpers import copy_store
+
+    rng = random.Random(1)
+    vocab = vocabulary(rng)
+
+    def say(n=30):
+        return text(words(rng, vocab, n))
+
+    convs = [[say(12), say(30)] for _ in range(60)]  # (user, assistant); rows 0, 20 and 40 are held out
+    convs[5], convs[7], convs[9] = list(convs[3]), list(convs[6]), list(convs[8])  # exact copies
+    convs[14][1] = say(80)
+    near = convs[14][1].split()
+    near[40] = "zzzz"
+    convs[15] = [convs[14][0], " ".join(near)]  # one word of 92 changed
+    assert jaccard(" ".join(convs[14]), " ".join(convs[15])) > 0.85
+    convs[11] = [say(12), say(10) + " " + convs[20][1] + " " + say(10)]  # a held-out answer inside a training row
+    convs[13] = [say(12), say(20) + " Mail me at john.roe@example.org today."]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"messages": [{"role": "user", "content": u},
+                                                    {"role": "assistant", "content": a}]}) + "\n" for u, a in convs))
+    pairs = [{"prompt": say(12), "chosen": say(25), "rejected": say(25)} for _ in range(40)]
+    pairs[7], pairs[9] = dict(pairs[6]), dict(pairs[8])
+    preference = tmp_path / "preference.jsonl"
+    preference.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+
+    cfg, path = config(tmp_path, f"data.sft={sft}", f"data.preference={preference}", "curate.enabled=true",
+                       "curate.sources=[sft, preference]", "tokenizer.num_workers=2", "sft.max_steps=4",
+                       "sft.on_too_long=truncate", "reward.policy_samples=0")
+    assert "curate" in upstream(cfg, "sft") and "curate" in upstream(cfg, "reward")
+    assert "curate" not in upstream(cfg, "tokenize")
+    m = execute(cfg, "curate")["metrics"]
+    out = locate(cfg, "curate")[0]
+    assert (m["sft/documents_in"], m["sft/removed/exact_duplicate"], m["sft/removed/near_duplicate"],
+            m["sft/removed/contaminated"], m["sft/documents_kept"]) == (57, 3, 1, 1, 52)
+    assert (m["preference/documents_in"], m["preference/removed/exact_duplicate"],
+            m["preference/documents_kept"]) == (38, 2, 36)
+    assert "documents_in" not in m  # data.pretrain was not curated
+
+    raw, read = splits.conversations(cfg.data), splits.conversations(splits.curated(cfg, {"curate": out}).data)
+    assert read.val == raw.val and len(read.train) == 52
+    gone = {5, 7, 9, 11, 15}  # the later copy of each duplicate, and the contaminated row
+    assert [c["messages"][0]["content"] for c in read.train] == [u for i, (u, _) in enumerate(convs)
+                                                                  if i % 20 and i not in gone]
+    mailed = [c for c in read.train if "Mail me at" in c["messages"][1]["content"]]
+    assert len(mailed) == 1 and "john.roe@example.org" not in mailed[0]["messages"][1]["content"]
+    assert len(splits.preference_pairs(splits.curated(cfg, {"curate": out}).data).train) == 36
+
+    copy_store(tokenized, tmp_path, "tokenize", "pretrain")
+    _, _, output = run_stage(cfg, path, "sft")
+    line = next(ln for ln in output.splitlines() if ln.startswith("[sft] ") and " val" in ln)
+    used, skipped = re.match(r"\[sft\] (\d+) conversations .*skipped \{'too_long': (\d+)\}", line).groups()
+    assert int(used) + int(skipped) == 52 and ", 3 val" in line, line  # the rows curate kept, no others
 
 
 def test_lingua_keeps_the_languages_asked_for():

@@ -59,6 +59,8 @@ class SourceSection(Section):
                                    "commit of main, resolved at every run.")
     streaming: bool = Setting(False, same_result=True, description="Stream a hub dataset instead of downloading it "
                               "first.")
+    held_out: str | None = Setting(None, description="A local file of the rows held out for validation (every row of "
+                                   "path is then trained on); None: every 20th row of path is held out.")
 
     @model_validator(mode="before")
     @classmethod
@@ -158,8 +160,12 @@ class DecontaminateSection(Section):
 class CurateSection(Section):
     """The curate stage (before tokenize): datatrove's blocks on Ray, on the local instance or tokenizer.cluster."""
 
-    enabled: bool = Setting(False, description="Curate data.pretrain before tokenize (tokenize reads its output).")
-    sources: list[Literal["pretrain"]] = Setting(["pretrain"], description="The data sources curated.")
+    enabled: bool = Setting(False, description="Curate curate.sources before the stages that read them (they read "
+                            "its output).")
+    sources: list[Literal["pretrain", "sft", "preference"]] = Setting(["pretrain"], description="The data sources "
+                                                                       "curated: pretrain by every pass; sft and "
+                                                                       "preference by PII, decontamination and dedup "
+                                                                       "of their training rows (held-out rows stay).")
     exact_dedup: bool = Setting(True, description="Remove exact duplicates (the text's hash), keeping one.")
     near_dedup: NearDedupSection = Setting(default_factory=NearDedupSection, description="MinHash near-dedup.")
     filters: dict[str, dict] = Setting({}, description="Quality filters in order, each with its arguments: "
