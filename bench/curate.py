@@ -64,7 +64,9 @@ for i, (pipeline, n) in enumerate([
     ([JsonlReader(f"{work}/deduped"), MinhashDedupFilter(f"{work}/remove"),
       JsonlWriter(f"{work}/out", output_filename=shard)], tasks),
 ]):
+    t1 = time.perf_counter()
     LocalPipelineExecutor(pipeline, tasks=n, workers=workers, logging_dir=f"{work}/logs/{i}").run()
+    print(f"pass {i}: {time.perf_counter() - t1:.1f}s", file=sys.stderr)
 print(time.perf_counter() - t0)
 """
 

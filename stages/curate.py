@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
@@ -34,7 +35,7 @@ from gptforge.core.errors import UserError
 from gptforge.core.files import write_json_atomic
 from gptforge.data import splits
 from gptforge.data.corpus import Reading
-from gptforge.data.curation import (SHARD, Decontaminate, FullSignatures, LinguaFilter, LocalFastTextLID,
+from gptforge.data.curation import (SHARD, WORK_SHARD, Decontaminate, FullSignatures, LinguaFilter, LocalFastTextLID,
                                     RankShardReader, RowsReader, Tally, UnitReader, VerifiedPairs, quality_filter,
                                     text_of)
 from gptforge.data.decontamination import build_index, evaluation_items
@@ -132,8 +133,10 @@ def passes(cfg: PipelineConfig, reader, tasks: int, work: Path, out: Path, index
 
     cc, documents = cfg.curate, isinstance(reader, UnitReader)
 
-    def shards(folder: Path):  # a task's documents, one file a task
-        return JsonlWriter(str(folder), output_filename=SHARD.replace("{rank:05d}", "${rank}"))
+    def shards(folder: Path, between_passes: bool = False):  # a task's documents, one file a task
+        name = WORK_SHARD if between_passes else SHARD
+        return JsonlWriter(str(folder), output_filename=name.replace("{rank:05d}", "${rank}"),
+                           compression=None if between_passes else "gzip")
 
     def removed(reason: str):
         return shards(out / "removed" / reason)
@@ -156,7 +159,7 @@ def passes(cfg: PipelineConfig, reader, tasks: int, work: Path, out: Path, index
         blocks.append(Decontaminate(index, removed("contaminated")))
     last = "filtered"
     if exact or minhash:
-        blocks.append(shards(work / "filtered"))
+        blocks.append(shards(work / "filtered", between_passes=True))
         if exact:
             blocks.append(ExactDedupSignature(str(work / "exact" / "signatures"), exact))
     else:
@@ -167,7 +170,8 @@ def passes(cfg: PipelineConfig, reader, tasks: int, work: Path, out: Path, index
                                                         str(work / "exact" / "duplicates"), exact)], 1, {}))
         blocks = [RankShardReader(str(work / "filtered")),
                   ExactDedupFilter(str(work / "exact" / "duplicates"), exact, removed("exact_duplicate"))]
-        blocks += [shards(work / "deduped")] if minhash else [Tally("kept"), shards(out / "documents")]
+        blocks += ([shards(work / "deduped", between_passes=True)] if minhash
+                   else [Tally("kept"), shards(out / "documents")])
         last = "deduped"
         out_list.append(("exact-filter", blocks, tasks, {1: "exact_duplicate"}))
     if minhash:
@@ -236,6 +240,7 @@ def run_pass(executor, name: str) -> None:
     import ray
     from datatrove.utils.stats import PipelineStats
 
+    t0 = time.perf_counter()
     ranks = executor.get_incomplete_ranks(range(executor.world_size))
     if ranks:
         executor.save_executor_as_json()
@@ -263,8 +268,9 @@ def run_pass(executor, name: str) -> None:
             total += PipelineStats.from_json(json.load(f))
     with executor.logging_dir.open("stats.json", "wt") as f:
         total.save_to_disk(f)
-    print(f"[curate] {name}: {executor.world_size} task(s) done" + (f", {executor.world_size - len(ranks)} of them "
-          "by an earlier run" if len(ranks) < executor.world_size else ""), flush=True)
+    print(f"[curate] {name}: {executor.world_size} task(s) done in {time.perf_counter() - t0:.1f}s"
+          + (f", {executor.world_size - len(ranks)} of them by an earlier run" if len(ranks) < executor.world_size
+             else ""), flush=True)
 
 
 def last_error(error: Exception) -> str:

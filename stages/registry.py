@@ -54,7 +54,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     # gptforge.pipeline.store.upstream); its data: those sources, and what it decontaminates against
     # (gptforge.pipeline.store.data_of)
     Stage("curate", "curate", sections=("curate", "eval.harness_tasks", "eval.harness_include"), seeded=False,
-          data="pretrain", outputs={"documents": "documents", "removed": "removed", "funnel": "funnel.json",
+          data="pretrain", outputs={"documents": "documents", "sft": "sft", "preference": "preference",
+                                    "removed": "removed", "funnel": "funnel.json",
                                     "decontamination": "decontamination.json"}, launcher="single"),
     Stage("tokenize", "tokenize", ("curate",), ("tokenizer",), seeded=False, data="pretrain",
           outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=2),

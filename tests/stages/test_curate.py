@@ -278,3 +278,22 @@ def test_lingua_keeps_the_languages_asked_for():
     assert keep.filter(Document(text="The weather is lovely today and we are going to the park.", id="1")) is True
     assert keep.filter(Document(text="Das Wetter ist heute schön und wir gehen in den Park.", id="2")) == \
         (False, "language")
+
+
+def test_minhash_words_are_spacys_own_tokens():
+    """SpanMemo (spaCy run once per distinct span) gives datatrove's spaCy tokens, on raw and simplified text."""
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.text import simplify_text
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    from gptforge.data.curation import SpanMemo
+
+    spacy, memo, rng = load_word_tokenizer("en"), SpanMemo(load_word_tokenizer("en")), random.Random(0)
+    odd = ["can't", "cannot", "dont", "U.S.", "e.g.", "10km", "5pm", "3rd", "http://a.b/c?d=1", "o'clock", "gonna",
+           ":)", "C++", "...", "naïve", "“quoted”", "50%", "$5", "x@y.com", "co-op", "  ", "\n", "\t"]
+    chars = "abcdefghij0123456789.,;:!?'\"-()[]$%&*+/=<>@#~`^_|\\ "
+    texts = [" ".join(rng.choice(odd + ["".join(rng.choices(chars, k=rng.randint(1, 8)))]) for _ in range(60))
+             for _ in range(200)]
+    norm = MinhashConfig().norm_config
+    for t in texts + [simplify_text(t, norm) for t in texts]:
+        assert memo.word_tokenize(t) == spacy.word_tokenize(t), t
