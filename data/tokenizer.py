@@ -9,19 +9,48 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gptforge.core.errors import ConfigError
 
-# ChatML with {% generation %} markers, so `return_assistant_tokens_mask=True` gives the
-# assistant-only loss mask. START/END are replaced by the configured special tokens. The newline
-# after an assistant's END is inside the marked span: every token of an assistant turn is trained,
-# so a preference trainer scoring the whole turn never meets a token the model was not taught.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- 'START' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{%- generation %}{{- message['content'] + 'END' + '\\n' }}{%- endgeneration %}"
-    "{%- else %}{{- message['content'] + 'END' + '\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- 'START' + 'assistant\\n' }}{%- endif %}"
-)
+def chat_template(start: str, end: str, markers: bool = True) -> str:
+    """ChatML between `start` and `end` (the turn's special tokens), with tools in the Hermes / Qwen2.5 format: the
+    tools' JSON schemas in the system turn, each call of an assistant turn as `<tool_call>{"name", "arguments"}
+    </tool_call>`, consecutive tool results in one user turn as `<tool_response>...</tool_response>`. A conversation
+    without tools renders as plain ChatML. With `markers`, {% generation %} marks every token of an assistant turn,
+    its calls and its end of turn with the newline after it, so that `return_assistant_tokens_mask=True` gives the
+    assistant-only loss mask and a preference trainer scoring the whole turn never meets a token the model was not
+    taught."""
+    gen, endgen = ("{%- generation %}", "{%- endgeneration %}") if markers else ("", "")
+    return (
+        "{%- if tools %}"
+        "{{- 'START' + 'system\\n' }}"
+        "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+        "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+        "with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+        "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+        "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+        "<args-json-object>}\\n</tool_call>' + 'END' + '\\n' }}"
+        "{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] == 'system' and loop.first and tools %}"
+        "{%- elif message['role'] == 'assistant' %}"
+        "{{- 'START' + 'assistant\\n' }}" + gen +
+        "{{- message['content'] or '' }}"
+        "{%- for call in message['tool_calls'] or [] %}"
+        "{%- set fn = call['function'] if call['function'] is defined else call %}"
+        "{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + fn['name'] + "
+        "'\", \"arguments\": ' + (fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson)) + "
+        "'}\\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- 'END' + '\\n' }}" + endgen +
+        "{%- elif message['role'] == 'tool' %}"
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- 'START' + 'user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- 'END' + '\\n' }}{%- endif %}"
+        "{%- else %}"
+        "{{- 'START' + message['role'] + '\\n' + message['content'] + 'END' + '\\n' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- 'START' + 'assistant\\n' }}{%- endif %}"
+    ).replace("START", start).replace("END", end)
 
 
 # Pre-tokenization of GPT-4's cl100k and Llama 3: words keep their leading space, but numbers are
@@ -58,7 +87,7 @@ def save_hf(tok: Tokenizer, out_dir: Path, special_tokens: list[str]) -> None:
         tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=pad, unk_token=None,
         clean_up_tokenization_spaces=False,
         additional_special_tokens=[t for t in special_tokens if t not in (eos, pad)])
-    hf.chat_template = CHAT_TEMPLATE.replace("START", start).replace("END", end)
+    hf.chat_template = chat_template(start, end)
     hf.save_pretrained(out_dir)
 
 

@@ -20,12 +20,11 @@ import json
 from pathlib import Path
 
 from gptforge.core.errors import ConfigError, UserError
+from gptforge.data.tokenizer import chat_template
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-          "{%- endif %}")
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHATML = chat_template(*CHATML_TOKENS, markers=False)  # for a model without a chat template: ChatML, tools Hermes
 PAD = "<|pad|>"
 
 

@@ -49,7 +49,8 @@ class Stage:
 
 EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 STAGES: dict[str, Stage] = {s.name: s for s in [
-    # tokenize 2: streamed in units, shards format 2 (index with counts and max id). Its own Ray workers.
+    # tokenize 2: streamed in units, shards format 2 (index with counts and max id); 3: its chat template renders
+    # tools (Hermes). Its own Ray workers.
     # curate: only where curate.enabled, and an input only of the stages whose data it curates (curate.sources:
     # gptforge.pipeline.store.upstream); its data: those sources, and what it decontaminates against
     # (gptforge.pipeline.store.data_of)
@@ -58,7 +59,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
                                     "removed": "removed", "funnel": "funnel.json",
                                     "decontamination": "decontamination.json"}, launcher="single"),
     Stage("tokenize", "tokenize", ("curate",), ("tokenizer",), seeded=False, data="pretrain",
-          outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=2),
+          outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=3),
     Stage("pretrain", "pretrain", ("tokenize",), ("model", "pretrain"), sequence_parallel=True),
     Stage("sft", "sft", ("curate", "pretrain"), ("sft",), data="sft", sequence_parallel=True),
     Stage("reward", "reward", ("curate", "sft"), ("reward",), data="preference"),

@@ -1,0 +1,138 @@
+"""Multi-turn episodes, token-exact.
+
+The policy samples a turn; its tool calls are parsed in the model's format (gptforge.model.rollout.calls) and run
+(gptforge.model.rollout.tools); the results are appended as the chat template renders a tool turn, with the next
+generation prompt; and the policy samples again, until a turn calls no tool, or `max_turns` turns, or the length
+budget. The sequence trained is the prompt's ids, then each turn's ids exactly as sampled, then the template's
+tokens between turns: nothing the policy sampled is decoded and tokenized again (the bug the peers' users report
+most, TRL #5224, veRL #6501). `mask` is 1 on the policy's own tokens and 0 on the tokens between turns, so that the
+loss and the KL see the policy's tokens alone.
+
+The tokens between turns: the conversation rendered through the policy's turn, and rendered with the tool results
+and the generation prompt after it; the second extends the first (a template that renders earlier turns otherwise,
+as one that drops their reasoning, is an error), and what it adds, after what the template puts behind the turn's
+end-of-turn token (ChatML's newline), is tokenized on its own. The turn's end-of-turn token was sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gptforge.core.errors import DataError
+from gptforge.model.rollout.calls import parse
+from gptforge.model.rollout.tools import Call, Toolbox
+
+# sample(sequences, budgets) -> each sequence's next turn: the ids sampled, ending with a stop id unless the budget
+# (new tokens at most) ran out first
+Sampler = Callable[[list[list[int]], list[int]], list[list[int]]]
+
+
+@dataclass
+class Episode:
+    messages: list[dict]  # the trajectory: the prompt, each turn of the policy and each tool result
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)  # after the prompt: the turns and the tokens between them
+    mask: list[int] = field(default_factory=list)  # 1 on the tokens the policy sampled
+    toolbox: Toolbox | None = None
+    turns: int = 0
+    ended: str = ""  # answer (a turn without calls), max_turns, max_length, or truncated (a turn cut by the budget)
+
+    @property
+    def response(self) -> str:
+        """The last turn's text: what the rewards of the answer read."""
+        last = next((m for m in reversed(self.messages) if m["role"] == "assistant"), None)
+        return "" if last is None else last["content"]
+
+    @property
+    def calls(self) -> list[Call]:
+        return [] if self.toolbox is None else [c for c in self.toolbox.calls if c.name != "get_reward"]
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(1 for c in self.calls if c.error)
+
+    def record(self) -> dict:
+        """The episode as a trajectory file row."""
+        return {"messages": self.messages, "turns": self.turns, "ended": self.ended,
+                "tool_calls": [vars(c) for c in self.calls], "tool_errors": self.tool_errors,
+                "prompt_tokens": len(self.prompt_ids), "policy_tokens": sum(self.mask),
+                "tool_tokens": len(self.mask) - sum(self.mask)}
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=generation)
+
+
+def start(tokenizer, prompt: list[dict], box: Toolbox | None) -> Episode:
+    """An episode at its prompt: the environment's first observation appended to the last user turn (as TRL's
+    GRPOTrainer does), the tools' schemas rendered by the template."""
+    messages = [dict(m) for m in prompt]
+    if box is not None and isinstance(box.observation, str):
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + box.observation}
+    tools = box.schemas if box is not None else None
+    ids = tokenizer(render(tokenizer, messages, tools, True), add_special_tokens=False)["input_ids"]
+    return Episode(messages, list(ids), toolbox=box)
+
+
+def between_turns(tokenizer, episode: Episode, results: list[dict], end_of_turn: str) -> list[int]:
+    """The ids the template puts after the policy's turn (whose end-of-turn token was sampled): the tool turn of
+    `results` and the next generation prompt."""
+    tools = episode.toolbox.schemas if episode.toolbox is not None else None
+    before = render(tokenizer, episode.messages, tools, False)
+    after = render(tokenizer, episode.messages + results, tools, True)
+    if not after.startswith(before):
+        raise DataError("the chat template renders a conversation's earlier turns differently once a tool turn "
+                        "follows, so the tokens between turns cannot be added to the sampled ones; conversation "
+                        f"starts {before[:80]!r}")
+    behind = before[before.rfind(end_of_turn) + len(end_of_turn):]  # e.g. ChatML's newline after <|im_end|>
+    return list(tokenizer(behind + after[len(before):], add_special_tokens=False)["input_ids"])
+
+
+def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, max_turns: int, max_length: int,
+                 stop_ids: set[int]) -> list[Episode]:
+    """Every episode to its end, the policy sampling the next turn of all open episodes at once."""
+    for e in episodes:
+        e.ended = "max_length" if len(e.prompt_ids) >= max_length else ""
+    open_ = [e for e in episodes if not e.ended]
+    while open_:
+        budgets = [max_length - len(e.prompt_ids) - len(e.ids) for e in open_]
+        turns = sample([e.prompt_ids + e.ids for e in open_], budgets)
+        still = []
+        for e, turn in zip(open_, turns, strict=True):
+            e.ids += turn
+            e.mask += [1] * len(turn)
+            e.turns += 1
+            stopped = bool(turn) and turn[-1] in stop_ids
+            parsed = parse(tokenizer.decode(turn, skip_special_tokens=True), fmt)
+            e.messages.append(parsed.message())
+            if not stopped:
+                e.ended = "truncated"
+            elif not parsed.calls or e.toolbox is None:
+                e.ended = "answer"
+            elif e.turns >= max_turns:
+                e.ended = "max_turns"
+            else:
+                results = [tool_message(e.toolbox, name, args) for name, args in parsed.calls]
+                between = between_turns(tokenizer, e, results, tokenizer.decode(turn[-1:]))
+                if len(e.prompt_ids) + len(e.ids) + len(between) >= max_length:
+                    e.ended = "max_length"  # the results would leave no room for another turn
+                    continue
+                e.messages += results
+                e.ids += between
+                e.mask += [0] * len(between)
+                still.append(e)
+        open_ = still
+    return episodes
+
+
+def tool_message(box: Toolbox, name: str | None, arguments) -> dict:
+    """A call run (or refused, where it did not parse) as the tool turn the model reads."""
+    if name is None:
+        call = Call("malformed", {}, error=f"ValueError: {arguments}")
+        box.calls.append(call)
+    else:
+        call = box.call(name, arguments)
+    content = call.result if call.error is None else f"error: {call.error}"
+    return {"role": "tool", "name": call.name, "content": content}

@@ -1,0 +1,158 @@
+"""Environments and tools for multi-turn rollouts, in TRL's conventions so that one environment class serves
+gptforge's PPO and TRL's GRPOTrainer (`environment_factory`, `tools`):
+
+- an environment factory (`package.module:Factory`) builds one environment per rollout; `reset(**row)` gives the
+  first observation (appended to the prompt's last user turn where it returns text); its public methods, with type
+  hints and docstrings, are its tools; an optional `get_reward()` scores the episode;
+- stateless tools (`package.module:function`), with type hints and docstrings.
+
+A call runs with a timeout. An exception, a timeout, an unknown tool or bad arguments become the tool's error
+message to the model, never a crashed stage. A call that times out keeps its thread (Python cannot stop one), and
+its environment answers every later call of the episode with that error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gptforge.core.errors import ConfigError
+from gptforge.model.eval.rewards import user_function
+
+
+def schema(fn: Callable, key: str) -> dict:
+    """The JSON schema a chat template renders for a tool (transformers' get_json_schema): a ConfigError naming the
+    function where an argument has no type hint or the docstring is missing."""
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
+    try:
+        return get_json_schema(fn)
+    except (DocstringParsingException, TypeHintParsingException) as e:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ConfigError(f"{key}: tool {name}: {e} (a tool needs a type hint on every argument and a docstring "
+                          "describing them in an Args: section)") from None
+
+
+def environment_tools(env) -> dict[str, Callable]:
+    """An environment's tools: its public methods but `reset` and `get_reward`, as TRL's GRPOTrainer takes them
+    (listed on the class, so that properties are not evaluated)."""
+    return {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")}
+
+
+@dataclass
+class Setup:
+    """What `preference.environment` and `preference.tools` name, imported and checked."""
+
+    factory: Callable | None
+    tools: list[Callable]
+    timeout_s: float
+
+    @classmethod
+    def load(cls, environment: str | None, tools: list[str], timeout_s: float) -> Setup:
+        factory = user_function(environment, "preference.environment") if environment else None
+        functions = [user_function(spec, "preference.tools") for spec in tools]
+        for fn in functions:
+            schema(fn, "preference.tools")
+        if factory is not None:
+            probe = factory()
+            if not callable(getattr(probe, "reset", None)):
+                raise ConfigError(f"preference.environment: {environment} builds {type(probe).__name__}, which has "
+                                  "no reset(**row) method")
+            for fn in environment_tools(probe).values():
+                schema(fn, "preference.environment")
+        return cls(factory, functions, timeout_s)
+
+    def toolbox(self, row: dict) -> Toolbox:
+        """A new episode's tools: a fresh environment reset with the prompt's row, and the stateless tools."""
+        env = self.factory() if self.factory else None
+        box = Toolbox(env, {fn.__name__: fn for fn in self.tools}, self.timeout_s)
+        if env is not None:
+            box.tools.update(environment_tools(env))
+            box.observation = box.run("reset", lambda: env.reset(**row))
+        return box
+
+
+@dataclass
+class Call:
+    """One tool call of an episode, as the trajectory records it."""
+
+    name: str
+    arguments: dict
+    result: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Toolbox:
+    """The tools of one episode: its environment's methods and the stateless tools, each call under a timeout."""
+
+    env: object | None
+    tools: dict[str, Callable]
+    timeout_s: float
+    observation: object = None
+    calls: list[Call] = field(default_factory=list)
+    broken: str | None = None  # why the environment answers no more calls (a call that never returned)
+
+    @property
+    def schemas(self) -> list[dict]:
+        return [schema(fn, "preference.tools") for fn in self.tools.values()]
+
+    def run(self, name: str, fn: Callable):
+        """fn() under the timeout; an exception is raised as is, a timeout as TimeoutError."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        box: dict = {}
+
+        def target():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 (reported to the model)
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self.broken = f"the environment is still running {name}, which passed preference.tool_timeout_s"
+            raise TimeoutError(f"{name} did not return within {self.timeout_s:g} s (preference.tool_timeout_s)")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def call(self, name: str, arguments) -> Call:
+        """Run one call; its result, or its error as the message the model reads."""
+        t0 = time.perf_counter()
+        record = Call(name, arguments if isinstance(arguments, dict) else {"_": arguments})
+        try:
+            if name not in self.tools:
+                raise LookupError(f"no tool named {name!r}; tools: {', '.join(self.tools) or 'none'}")
+            if not isinstance(arguments, dict):
+                raise TypeError(f"arguments must be a JSON object, got {json.dumps(arguments)[:80]}")
+            fn = self.tools[name]
+            inspect.signature(fn).bind(**arguments)  # a missing or unknown argument, before the call
+            value = self.run(name, lambda: fn(**arguments))
+            record.result = value if isinstance(value, str) else json.dumps(value, default=str)
+        except BaseException as e:  # noqa: BLE001 (the model reads it; the stage goes on)
+            record.error = f"{type(e).__name__}: {e}"
+        record.seconds = time.perf_counter() - t0
+        self.calls.append(record)
+        return record
+
+    def reward(self) -> float | None:
+        """The environment's own `get_reward()`, under the timeout (None: it has none, or it failed, its error then
+        recorded as a call)."""
+        get = getattr(self.env, "get_reward", None)
+        if get is None:
+            return None
+        try:
+            return float(self.run("get_reward", get))
+        except BaseException as e:  # noqa: BLE001 (recorded with the calls: the trajectory names it)
+            self.calls.append(Call("get_reward", {}, error=f"{type(e).__name__}: {e}"))
+            return None

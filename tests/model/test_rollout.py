@@ -1,0 +1,203 @@
+"""The rollout room (gptforge.model.rollout): multi-turn episodes with tools, token-exact, for two template
+families: gptforge's own (ChatML, Hermes / Qwen2.5 tool calls) and Llama 3.1's (JSON calls, ipython results). A
+scripted policy stands in for the model: what it "samples" is known, so the test can tell that the trained ids are
+the sampled ids and that the mask covers exactly them."""
+
+import time
+
+import pytest
+
+from gptforge.core.errors import ConfigError
+from gptforge.data.tokenizer import chat_template, save_hf, train_bpe
+from gptforge.model.rollout.calls import format_of, parse
+from gptforge.model.rollout.episode import render, run_episodes, start
+from gptforge.model.rollout.tools import Setup, Toolbox, environment_tools, schema
+from tests.hub_models import LLAMA3_TEMPLATE, texts
+from tests.hub_models import tokenizer as family_tokenizer
+
+LLAMA31_TOOLS = (
+    "{{- bos_token }}"
+    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n\\n' }}"
+    "{%- for t in tools %}{{- (t | tojson) + '\\n\\n' }}{%- endfor %}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and m['tool_calls'] %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for c in m['tool_calls'] %}{{- '{\"name\": \"' + c['function']['name'] + '\", \"parameters\": ' + "
+    "(c['function']['arguments'] | tojson) + '}' }}{%- endfor %}{{- '<|eot_id|>' }}"
+    "{%- elif m['role'] == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + "
+    "'<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+class Ledger:
+    """An environment: a running total the model adds to and reads (TRL's conventions)."""
+
+    def reset(self, start: int = 0, **_) -> str:
+        self.total = start
+        return f" (the ledger starts at {start})"
+
+    def add(self, amount: int) -> int:
+        """Add an amount to the ledger.
+
+        Args:
+            amount: what to add
+        """
+        self.total += amount
+        return self.total
+
+    def fail(self, why: str) -> str:
+        """Raise an error.
+
+        Args:
+            why: the message
+        """
+        raise RuntimeError(why)
+
+    def stall(self, seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long
+        """
+        time.sleep(seconds)
+        return "woke"
+
+    def get_reward(self) -> float:
+        return float(self.total == 15)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """gptforge's own tokenizer (the tokenize stage's files) and a Llama 3 one with Llama 3.1's tool template."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    corpus = texts(300) + ['{"name": "add", "arguments": {"amount": 5}} <tool_call> </tool_call> <tool_response>']
+    save_hf(train_bpe(corpus, 400, 2, special), out, special)
+    ours = AutoTokenizer.from_pretrained(out)
+    llama = family_tokenizer("llama3")
+    llama.chat_template = LLAMA31_TOOLS
+    return {"hermes": ours, "llama3_json": llama}
+
+
+def call_text(fmt: str, name: str, args: dict) -> str:
+    import json
+
+    if fmt == "hermes":
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+    return json.dumps({"name": name, "parameters": args})
+
+
+def scripted(tokenizer, turns: list[str], log: list):
+    """A policy that samples `turns` in order: each the tokens of its text and the end-of-turn token."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else "<|eot_id|>")
+    it = iter(turns)
+
+    def sample(sequences, budgets):
+        out = []
+        for _ in sequences:
+            ids = tokenizer(next(it), add_special_tokens=False)["input_ids"] + [eot]
+            log.append(ids)
+            out.append(ids)
+        return out
+
+    return sample, eot
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_a_three_turn_episode_trains_the_sampled_ids_and_masks_the_rest(tokenizers, fmt):
+    tok = tokenizers[fmt]
+    assert format_of(tok.chat_template, "the model") == fmt
+    setup = Setup(Ledger, [], timeout_s=5)
+    box = setup.toolbox({"start": 2})
+    episode = start(tok, [{"role": "user", "content": "Add 3, then 10; say the total."}], box)
+    assert episode.messages[-1]["content"].endswith("(the ledger starts at 2)")  # reset's observation
+    turns = [call_text(fmt, "add", {"amount": 3}), call_text(fmt, "add", {"amount": 10}), "The total is 15."]
+    sampled: list[list[int]] = []
+    sample, eot = scripted(tok, turns, sampled)
+    [done] = run_episodes(sample, tok, [episode], fmt, max_turns=3, max_length=2048, stop_ids={eot})
+
+    assert (done.turns, done.ended, len(done.calls), done.tool_errors) == (3, "answer", 2, 0)
+    assert [c.result for c in done.calls] == ["5", "15"] and box.reward() == 1.0
+    # the ids trained are the ids sampled, in order, and the mask covers exactly them
+    own = [i for i, m in zip(done.ids, done.mask) if m]
+    assert own == [i for turn in sampled for i in turn] and sum(done.mask) == sum(map(len, sampled))
+    runs, at = [], 0  # the masked tokens come as the three turns, with the template's tokens between them
+    while at < len(done.mask):
+        end = at
+        while end < len(done.mask) and done.mask[end] == done.mask[at]:
+            end += 1
+        runs.append((done.mask[at], done.ids[at:end]))
+        at = end
+    assert [m for m, _ in runs] == [1, 0, 1, 0, 1] and [ids for m, ids in runs if m] == sampled
+    # and the whole sequence is the template's rendering of the trajectory, through the last end of turn
+    whole = render(tok, done.messages, box.schemas, False)
+    eot_text = tok.convert_ids_to_tokens(eot)
+    assert tok.decode(done.prompt_ids + done.ids) == whole[:whole.rfind(eot_text) + len(eot_text)]
+    assert [m["role"] for m in done.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert done.messages[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"amount": 3}}
+
+
+def test_tool_failures_become_messages_and_the_episode_goes_on(tokenizers):
+    tok = tokenizers["hermes"]
+    box = Setup(Ledger, [], timeout_s=0.5).toolbox({})
+    episode = start(tok, [{"role": "user", "content": "Try things."}], box)
+    bad = ["<tool_call>\n{\"name\": \"add\", \"arguments\": {\"amount\": \n</tool_call>",  # not JSON
+           call_text("hermes", "fail", {"why": "no ink"}) + "\n" + call_text("hermes", "nope", {}),
+           call_text("hermes", "add", {"amount": "x", "extra": 1}),  # an unknown argument
+           call_text("hermes", "stall", {"seconds": 3}), call_text("hermes", "add", {"amount": 1}), "Done."]
+    sample, eot = scripted(tok, bad, [])
+    t0 = time.perf_counter()
+    [done] = run_episodes(sample, tok, [episode], "hermes", max_turns=10, max_length=4096, stop_ids={eot})
+    assert time.perf_counter() - t0 < 3  # the stalled call was given up after its timeout
+    results = [m["content"] for m in done.messages if m["role"] == "tool"]
+    assert results[0].startswith("error: ValueError: the tool call is not JSON")
+    assert results[1] == "error: RuntimeError: no ink" and results[2].startswith("error: LookupError: no tool named")
+    assert results[3].startswith("error: TypeError: got an unexpected keyword argument 'extra'")
+    assert results[4].startswith("error: TimeoutError: stall did not return within 0.5 s")
+    assert results[5].startswith("error: RuntimeError: the environment is still running stall")  # broken since
+    assert (done.ended, done.turns, done.tool_errors) == ("answer", 6, 6)
+
+
+def test_the_episode_ends_at_max_turns_and_at_the_length_budget(tokenizers):
+    tok = tokenizers["hermes"]
+    turn = call_text("hermes", "add", {"amount": 1})
+    sample, eot = scripted(tok, [turn] * 4, [])
+    episode = start(tok, [{"role": "user", "content": "Count."}], Setup(Ledger, [], 5).toolbox({}))
+    [done] = run_episodes(sample, tok, [episode], "hermes", max_turns=2, max_length=4096, stop_ids={eot})
+    assert (done.ended, done.turns, len(done.calls)) == ("max_turns", 2, 1)
+    sample, eot = scripted(tok, [turn] * 4, [])
+    episode = start(tok, [{"role": "user", "content": "Count."}], Setup(Ledger, [], 5).toolbox({}))
+    budget = len(episode.prompt_ids) + len(tok(turn)["input_ids"]) + 5
+    [done] = run_episodes(sample, tok, [episode], "hermes", max_turns=4, max_length=budget, stop_ids={eot})
+    assert done.ended == "max_length" and done.turns == 1 and len(done.prompt_ids) + len(done.ids) < budget
+
+
+def test_tools_need_hints_and_docstrings_and_templates_must_render_tools():
+    def undocumented(x: int) -> int:
+        return x
+
+    def unhinted(x):
+        """Echo.
+
+        Args:
+            x: the value
+        """
+        return x
+
+    with pytest.raises(ConfigError, match="preference.tools: tool .*undocumented: .*no docstring"):
+        schema(undocumented, "preference.tools")
+    with pytest.raises(ConfigError, match="preference.tools: tool .*unhinted: .*missing a type hint"):
+        schema(unhinted, "preference.tools")
+    assert set(environment_tools(Ledger())) == {"add", "fail", "stall"}
+    assert format_of(chat_template("<|im_start|>", "<|im_end|>"), "m") == "hermes"
+    with pytest.raises(ConfigError, match="the chat template of org/llama cannot render tools"):
+        format_of(LLAMA3_TEMPLATE, "org/llama")
+    assert parse('Sure.\n<tool_call>\n{"name": "add", "arguments": "{\\"amount\\": 2}"}\n</tool_call>',
+                 "hermes").calls == [("add", {"amount": 2})]
+    assert parse('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": 1}}',
+                 "llama3_json").calls == [("a", {}), ("b", {"k": 1})]
+    assert Toolbox(None, {}, 1).call("x", {}).error.startswith("LookupError")
