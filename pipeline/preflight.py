@@ -14,7 +14,8 @@ input is one `error:` line and nothing has trained.
 - every data source of every step the run may compute is there: each local file of `data.*` read (its digest,
   which the stage store needs anyway), so a missing `data.sft` or `data.prompts` fails now, not after tokenize
   and pretrain;
-- every user reward function of `preference.rewards` imports and is a function;
+- every user reward function of `preference.rewards` imports and is a function; the rollouts' environment and
+  tools import, each tool has type hints and a docstring, and the policy's chat template renders tools;
 - every reward server answers; one that does not is a warning (it may be started later: the stage retries it).
 """
 
@@ -61,6 +62,7 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
         check_team(cfg, steps)
     fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rewards(cfg, selected, log)
+    check_rollout(cfg, selected)
     CHECKED.add(key)
 
 
@@ -136,6 +138,31 @@ def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], No
                     f"try it {spec.retries} time(s) when it scores its first batch")
         elif spec.name and ":" in spec.name and spec.name != REWARD_MODEL:
             user_function(spec.name, key)
+
+
+def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
+    """Where an online stage rolls out with tools: the environment factory and the tools import, every tool has
+    type hints and a docstring, and the policy's chat template renders tools (sft.chat_template, else the pretrained
+    model's own: a model without one is given gptforge's ChatML, which does)."""
+    pc = cfg.preference
+    if not (pc.environment or pc.tools) or not any(s.removeprefix("eval-") in ONLINE_ALGORITHMS for s in steps):
+        return
+    from gptforge.model.rollout.calls import format_of
+    from gptforge.model.rollout.tools import Setup
+
+    key = "preference.environment" if pc.environment else "preference.tools"
+    if without := [s for s in steps if s in ("grpo", "rloo")]:
+        raise ConfigError(f"{key}: {without[0]} does not roll out with tools yet (ppo does); run ppo, or leave "
+                          f"{key} unset for {without[0]}")
+    Setup.load(pc.environment, pc.tools, pc.tool_timeout_s)
+    if cfg.sft.chat_template:
+        format_of(cfg.sft.chat_template, "sft.chat_template")
+    elif cfg.model.pretrained:
+        from transformers import AutoTokenizer
+
+        template = AutoTokenizer.from_pretrained(cfg.model.pretrained).chat_template
+        if template:
+            format_of(template, cfg.model.pretrained)
 
 
 def unreachable(url: str, timeout: float) -> str | None:

@@ -14,6 +14,11 @@ the score at the last token minus kl_coef * (log pi - log pi_ref) at every token
 kl_coef); GAE advantages (whitened) and returns; then ppo_epochs passes of the clipped policy and value
 losses over minibatches. The losses, GAE and the KL estimate are in gptforge.model.train.losses; log-probabilities and
 entropies are TRL's helpers. The held-out report is the evaluation step's (gptforge.stages.evaluate).
+
+With tools (preference.environment, preference.tools) each rollout is an episode of up to preference.max_turns turns
+(gptforge.model.rollout): the policy's own tokens alone are trained and enter the KL, the tool turns between them
+are masked; the rewards read the last turn and the whole trajectory (`messages`); `rollouts/step-N.jsonl` keeps
+each logged step's episodes.
 """
 
 from __future__ import annotations
@@ -35,8 +40,11 @@ from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.eval import rewards
-from gptforge.model.eval.generation import (check_same_vocabulary, generate_ids, policy_and_judge, reward_scores,
-                                            same_vocabulary)
+from gptforge.model.eval.generation import (check_same_vocabulary, generate_ids, id_sampler, policy_and_judge,
+                                            reward_scores, same_vocabulary, stop_ids)
+from gptforge.model.rollout.calls import format_of
+from gptforge.model.rollout.episode import rollouts, tensors
+from gptforge.model.rollout.tools import Setup
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.train.guard import StepGuard
 from gptforge.model.train.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
@@ -63,6 +71,37 @@ def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
     after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0  # strictly after the first stop token
     resp_mask = (~after_stop).long()
     return out, torch.cat([attention, resp_mask], 1), resp_mask, P
+
+
+def agent_rollout(actor, tokenizer, agent: Setup, fmt: str, rows: list[dict], pc, device, synced: bool):
+    """One episode a prompt row, the policy sampling each turn (the online section's sampling settings), the ranks
+    in step under ZeRO-3."""
+    oc = pc.ppo
+    sample = id_sampler(actor, tokenizer.pad_token_id, oc.max_new_tokens, synced, do_sample=True,
+                        temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p)
+    everyone = (lambda any_open: all_sum([float(any_open)], device)[0] > 0) if synced else None
+    return rollouts(agent, sample, tokenizer, rows, fmt, pc.max_turns, pc.max_length, stop_ids(actor), everyone)
+
+
+def episode_metrics(episodes, device) -> dict:
+    """turns_per_episode and tool_calls_per_episode (means over every rank's episodes), tool_errors (their sum)."""
+    if episodes is None:
+        return {}
+    turns, calls, errors, n = all_sum([sum(e.turns for e in episodes), sum(len(e.calls) for e in episodes),
+                                       sum(e.tool_errors for e in episodes), len(episodes)], device)
+    return {"turns_per_episode": turns / n, "tool_calls_per_episode": calls / n, "tool_errors": errors}
+
+
+def write_trajectories(folder: Path, step: int, episodes, total: list[float], each: dict) -> None:
+    """A logged step's episodes (rank 0's): messages, calls, results, errors, each reward and the token counts."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{**e.record(), "reward": total[j], "rewards": {k: v[j] for k, v in each.items()}}
+            for j, e in enumerate(episodes)]
+    tmp = folder / f"step-{step:08d}.jsonl.part"
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
+    tmp.replace(folder / f"step-{step:08d}.jsonl")
 
 
 def policy_logprobs(model, seqs, attention, P: int, aux: bool = False, tiles: int = 1):
@@ -126,6 +165,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     scoring, items = rewards.for_stage(cfg, tokenizer, per_rank * world)
     prompts, answers = [it["prompt"] for it in items], [it["answer"] for it in items]
     columns = rewards.columns_of(items)
+    agent = Setup.load(pc.environment, pc.tools, pc.tool_timeout_s) if pc.environment or pc.tools else None
+    fmt = format_of(tokenizer.chat_template, str(sft_dir)) if agent else None
     ptx_rows = (ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
                            oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world, cfg.run.seed)
                 if oc.ptx_coef else None)  # an update: one minibatch
@@ -174,22 +215,35 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
     throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
     rows = max(pc.micro_batch_size, per_rank)  # scoring takes a rank's rollouts at once, training a micro-batch
-    tiles = logit_tiles(dist, rows, oc.max_new_tokens, len(tokenizer))  # only the response tokens' logits
+    tiles = logit_tiles(dist, rows, pc.max_length if agent else oc.max_new_tokens, len(tokenizer))  # responses
     while step < pc.max_steps:
         step += 1
         ids = guard.next(order.next_ids)
         batch = [prompts[i] for i in ids]
         t0 = time.perf_counter()
-        seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, oc, device, dist.zero_stage == 3)
+        if agent is None:
+            seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, oc, device, dist.zero_stage == 3)
+            episodes = None
+        else:
+            episodes = agent_rollout(actor_engine.module, tokenizer, agent, fmt, [items[i] for i in ids], pc, device,
+                                     dist.zero_stage == 3)
+            seqs, attention, mask, P = (t.to(device) if torch.is_tensor(t) else t
+                                        for t in tensors(episodes, tokenizer.pad_token_id))
         gen_seconds = time.perf_counter() - t0
         with torch.no_grad():
             old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P, tiles=tiles)
             with as_reference(actor_engine, ref) as reference:
                 ref_logp, _ = policy_logprobs(reference, seqs, attention, P, tiles=tiles)
             old_values = critic_values(critic_engine, seqs, attention, P)
-            texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip() for r, m in zip(seqs[:, P:], mask)]
-            total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids],
-                                        {k: [v[i] for i in ids] for k, v in columns.items()}, judge)
+            cols = {k: [v[i] for i in ids] for k, v in columns.items()}
+            if episodes is None:
+                texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip()
+                         for r, m in zip(seqs[:, P:], mask)]
+            else:  # the last turn; the whole trajectory and the environment's own reward beside it
+                texts = [e.response.strip() for e in episodes]
+                cols |= {"messages": [e.messages for e in episodes],
+                         "environment_reward": [e.toolbox.reward() for e in episodes]}
+            total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids], cols, judge)
             score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/train/guard.py)
             per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
             advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)
@@ -245,7 +299,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                     gen_tokens_per_sec=all_mean(mask.sum().item() / gen_seconds, device) * world,
                     tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],
                     grad_norm=grad_norm(actor_engine), bad_steps=guard.bad_steps,
-                    **{k: all_mean(v, device) for k, v in stats.items()})
+                    **{k: all_mean(v, device) for k, v in stats.items()}, **episode_metrics(episodes, device))
+            if episodes is not None and rank == 0:
+                write_trajectories(out_dir / "rollouts", step, episodes, total, each)
         if step % pc.save_every == 0 and step < pc.max_steps:
             save_step(engines, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
                       "kl_coef": kl_ctl.value, "guard": guard.state_dict()}, rank, world, pc.keep_last)

@@ -37,6 +37,28 @@ def generate_ids(model, tokenizer, prompts: list[list[dict]], synced: bool = Fal
     return out, attention.to(device), stops
 
 
+def id_sampler(model, pad_id: int, max_new_tokens: int, synced: bool = False, **sampling):
+    """sample(sequences, budgets) for gptforge.model.rollout.episode: token id sequences, left-padded, through
+    `model.generate` with the KV cache; each continuation cut after its first stop token, at most its budget and
+    `max_new_tokens` long."""
+    device, stops = next(model.parameters()).device, stop_ids(model)
+
+    @torch.no_grad()
+    def sample(sequences: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        ids, attention = left_pad(sequences, pad_id)
+        new = max(1, min(max_new_tokens, max(budgets)))
+        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), pad_token_id=pad_id,
+                             eos_token_id=list(stops), use_cache=True, synced_gpus=synced, max_new_tokens=new,
+                             **sampling, **no_router_loss(model))
+        turns = []
+        for row, budget in zip(out[:, ids.shape[1]:].tolist(), budgets, strict=True):
+            cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
+            turns.append(row[:max(1, min(cut, budget))])
+        return turns
+
+    return sample
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int = 64,
              do_sample: bool = False, synced: bool = False, **sampling) -> list[str]:

@@ -85,6 +85,16 @@ def verify(responses: list[str], answers: list[str]) -> list[float]:
     return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
 
 
+ENVIRONMENT = "environment"  # the environment's own get_reward() of each episode (gptforge.model.rollout)
+
+
+def environment_reward(prompts, responses, answers, environment_reward=None, **_) -> list[float]:
+    """Each episode's environment's get_reward() (the rollout puts it in the `environment_reward` column), 0 where
+    it gave none (a failure is in the episode's trajectory)."""
+    values = environment_reward if environment_reward is not None else [None] * len(responses)
+    return [0.0 if v is None else float(v) for v in values]
+
+
 def exact_match(prompts, responses, answers, **_) -> list[float]:
     """1 for a response that is exactly its reference answer (whitespace-trimmed), else 0: the demo's verifier."""
     return verify(responses, answers)
@@ -193,6 +203,8 @@ def build(pc, tokenizer=None) -> list[Reward]:
             out.append(Reward("math_equal", spec.weight, key, math_equal))
         elif spec.name == "format":
             out.append(Reward("format", spec.weight, key, format_match(pc.format_pattern)))
+        elif spec.name == ENVIRONMENT:
+            out.append(Reward(ENVIRONMENT, spec.weight, key, environment_reward))
         elif spec.name == "length":
             out.append(Reward("length", spec.weight, key, length_penalty(tokenizer, pc.length_target), passes=False))
         else:

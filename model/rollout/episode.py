@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from gptforge.core.errors import DataError
 from gptforge.model.rollout.calls import parse
-from gptforge.model.rollout.tools import Call, Toolbox
+from gptforge.model.rollout.tools import Call, Setup, Toolbox
 
 # sample(sequences, budgets) -> each sequence's next turn: the ids sampled, ending with a stop id unless the budget
 # (new tokens at most) ran out first
@@ -72,7 +72,8 @@ def start(tokenizer, prompt: list[dict], box: Toolbox | None) -> Episode:
     if box is not None and isinstance(box.observation, str):
         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + box.observation}
     tools = box.schemas if box is not None else None
-    ids = tokenizer(render(tokenizer, messages, tools, True), add_special_tokens=False)["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
     return Episode(messages, list(ids), toolbox=box)
 
 
@@ -90,13 +91,26 @@ def between_turns(tokenizer, episode: Episode, results: list[dict], end_of_turn:
     return list(tokenizer(behind + after[len(before):], add_special_tokens=False)["input_ids"])
 
 
+def rollouts(setup: Setup, sample: Sampler, tokenizer, rows: list[dict], fmt: str, max_turns: int, max_length: int,
+             stop_ids: set[int], everyone: Callable[[bool], bool] | None = None) -> list[Episode]:
+    """One episode a prompt row ({"prompt": messages, "answer", **columns}): a fresh environment reset with the row,
+    then `run_episodes`."""
+    episodes = [start(tokenizer, row["prompt"], setup.toolbox(row)) for row in rows]
+    return run_episodes(sample, tokenizer, episodes, fmt, max_turns, max_length, stop_ids, everyone)
+
+
 def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, max_turns: int, max_length: int,
-                 stop_ids: set[int]) -> list[Episode]:
-    """Every episode to its end, the policy sampling the next turn of all open episodes at once."""
+                 stop_ids: set[int], everyone: Callable[[bool], bool] | None = None) -> list[Episode]:
+    """Every episode to its end, the policy sampling the next turn of all open episodes at once. `everyone(open)`:
+    whether any rank still has an open episode, where the ranks sample in step (a model partitioned by ZeRO-3): a
+    rank whose episodes have all ended samples a dummy turn meanwhile."""
     for e in episodes:
         e.ended = "max_length" if len(e.prompt_ids) >= max_length else ""
     open_ = [e for e in episodes if not e.ended]
-    while open_:
+    while open_ if everyone is None else everyone(bool(open_)):
+        if not open_:
+            sample([episodes[0].prompt_ids], [1])
+            continue
         budgets = [max_length - len(e.prompt_ids) - len(e.ids) for e in open_]
         turns = sample([e.prompt_ids + e.ids for e in open_], budgets)
         still = []
@@ -136,3 +150,21 @@ def tool_message(box: Toolbox, name: str | None, arguments) -> dict:
         call = box.call(name, arguments)
     content = call.result if call.error is None else f"error: {call.error}"
     return {"role": "tool", "name": call.name, "content": content}
+
+
+def tensors(episodes: list[Episode], pad_id: int):
+    """A batch of episodes in PPO's layout: the sequences (B, P+R), prompts left-padded to P and the episodes' ids
+    right-padded to R; the attention mask (B, P+R); the policy's mask (B, R: 1 on its own tokens); and P."""
+    import torch
+
+    P = max(len(e.prompt_ids) for e in episodes)
+    R = max(1, max(len(e.ids) for e in episodes))
+    seqs = torch.full((len(episodes), P + R), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(seqs)
+    mask = torch.zeros((len(episodes), R), dtype=torch.long)
+    for b, e in enumerate(episodes):
+        p, n = len(e.prompt_ids), len(e.ids)
+        seqs[b, P - p:P], seqs[b, P:P + n] = torch.tensor(e.prompt_ids), torch.tensor(e.ids, dtype=torch.long)
+        attention[b, P - p:P + n] = 1
+        mask[b, :n] = torch.tensor(e.mask, dtype=torch.long)
+    return seqs, attention, mask, P

@@ -55,10 +55,12 @@ def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def token_rewards(score: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
                   kl_coef: float) -> torch.Tensor:
-    """Per-token reward: -kl_coef * KL at every response token, plus the sequence score at its last token.
-    score (B,), logp/ref_logp/mask (B, T) -> (B, T)."""
+    """Per-token reward: -kl_coef * KL at every response token, plus the sequence score at its last token (the
+    mask's last 1: a multi-turn rollout's mask has gaps, the tool turns). score (B,), logp/ref_logp/mask (B, T) ->
+    (B, T)."""
     rewards = -kl_coef * kl_per_token(logp, ref_logp) * mask
-    last = mask.sum(1).long() - 1  # index of each response's last token
+    at = torch.arange(mask.size(1), device=mask.device)
+    last = torch.where(mask > 0, at, -1).max(1).values  # index of each response's last token
     rewards[torch.arange(len(score)), last] += score
     return rewards
 

@@ -94,15 +94,18 @@ class OnlineSection(Section):
         return per_update // (world * micro_steps_per_update)
 
 
-REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length")  # gptforge.model.eval.rewards
+REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length",  # gptforge.model.eval.rewards
+                   "environment")
 
 
 class RewardSpec(Section):
     """One reward of the online stages: a built-in or the user's function by `name`, or a reward server at `url`."""
 
-    name: str | None = Setting(None, description="reward_model, exact_match, math_equal, format, length, or the "
-                               "user's package.module:function(prompts, responses, answers, **row) -> list[float]; "
-                               "with url, the name its metric is logged under (default remote).")
+    name: str | None = Setting(None, description="reward_model, exact_match, math_equal, format, length, "
+                               "environment (its get_reward()), or the user's package.module:function(prompts, "
+                               "responses, answers, **row) -> list[float] (row: messages, the whole trajectory, and "
+                               "the prompt's columns); with url, the name its metric is logged under (default "
+                               "remote).")
     url: str | None = Setting(None, description="A reward server: each batch as one JSON POST {prompts, responses, "
                               "answers, ...}, answered by {rewards: [...]}.")
     weight: float = Setting(1.0, description="Weight of this reward in the total.")
@@ -175,6 +178,16 @@ class PreferenceSection(TrainSection):
                                  "subtracts one per token over.")
     reference: str | None = Setting(None, description="The reference policy (hub name or local directory); None: the "
                                     "SFT model (with adapters: the policy with its adapters disabled).")
+    environment: str | None = Setting(None, description="An environment factory, package.module:Factory (TRL's "
+                                      "conventions): one environment a rollout, reset(**row) its first observation, "
+                                      "its public methods (type hints, docstrings) its tools, get_reward() a reward "
+                                      "({name: environment} in rewards).")
+    tools: list[str] = Setting([], description="Stateless tools for the rollouts, package.module:function, each with "
+                               "type hints and a docstring.")
+    max_turns: int = Setting(4, ge=1, description="Turns of the policy in one rollout with tools; a turn that calls "
+                             "no tool ends it.")
+    tool_timeout_s: float = Setting(10.0, gt=0, description="Seconds a tool call (and reset, get_reward) may take; "
+                                    "past it, the model reads a timeout error.")
     dpo: DPOSection = Setting(default_factory=DPOSection, description="DPO's own settings.")
     ppo: PPOSection = Setting(default_factory=PPOSection, description="PPO's own settings.")
     grpo: GRPOSection = Setting(default_factory=GRPOSection, description="GRPO's own settings.")
@@ -200,6 +213,9 @@ class PreferenceSection(TrainSection):
         for i, label in enumerate(labels):
             if label in labels[:i]:
                 raise ValueError(f"preference.rewards[{i}]: a second reward logged as {label!r}; give it its own name")
+        if "environment" in [r.name for r in self.rewards if r.url is None] and not self.environment:
+            raise ValueError("preference.rewards names environment but preference.environment is not set; set the "
+                             "factory of the environment whose get_reward() it is")
         if "format" in [r.name for r in self.rewards if r.url is None]:
             if not self.format_pattern:
                 raise ValueError("preference.rewards names format but preference.format_pattern is not set; set the "

@@ -1,0 +1,84 @@
+"""Rollouts with an environment through the online stages: a user's environment class from the working folder
+(TRL's conventions), reset with each prompt's row, its get_reward() a reward, its episodes written as trajectories
+and their turns and calls logged; bad environments and tools are one error line before anything runs. (Episodes
+turn by turn, token-exact, with tools that fail and stall: tests/model/test_rollout.py.)"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import PPO, TINY
+from tests.helpers import logged, prepared, run_stage
+
+pytestmark = pytest.mark.slow
+
+LEDGER = '''
+class Ledger:
+    def reset(self, prompt, **row):
+        self.total = len(prompt[-1]["content"]) % 5
+        return " (ledger open)"
+
+    def add(self, amount: int) -> int:
+        """Add to the ledger.
+
+        Args:
+            amount: what to add
+        """
+        self.total += amount
+        return self.total
+
+    def get_reward(self) -> float:
+        return self.total / 4
+
+
+def undocumented(x: int) -> int:
+    return x
+'''
+
+
+def test_ppo_rolls_out_a_users_environment(chain, tmp_path, monkeypatch):
+    (tmp_path / "ledger_env.py").write_text(LEDGER)
+    monkeypatch.chdir(tmp_path)  # imported from the working folder, as reward functions are
+    cfg, path = prepared(chain, tmp_path / "run", *PPO, "preference.max_steps=2", "preference.log_every=1",
+                         "preference.environment=ledger_env:Ledger", "preference.max_turns=3",
+                         "preference.rewards=[{name: reward_model}, {name: environment, weight: 0.5}]")
+    manifest, out_dir, _ = run_stage(cfg, path, "ppo")
+    assert manifest["metrics"]["global_step"] == 2
+    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "rewards/environment"):
+        assert len(logged(out_dir, key)) == 2, key
+    assert all(1 <= t <= 3 for t in logged(out_dir, "turns_per_episode"))
+    episodes = [json.loads(line) for line in (out_dir / "rollouts" / "step-00000002.jsonl").read_text().splitlines()]
+    assert len(episodes) == 4  # rank 0's prompts of the step
+    for e in episodes:
+        asked = e["messages"][0]["content"]
+        assert asked.endswith(" (ledger open)")  # reset's observation, appended to the prompt
+        added = sum(c["arguments"]["amount"] for c in e["tool_calls"] if c["name"] == "add" and c["error"] is None)
+        expected = (len(asked.removesuffix(" (ledger open)")) % 5 + added) / 4
+        assert e["rewards"]["environment"] == pytest.approx(expected)  # its get_reward(), the episode's own
+        assert e["policy_tokens"] >= 1 and e["ended"] in ("answer", "truncated", "max_turns", "max_length")
+        assert e["messages"][-1]["role"] == "assistant"
+
+
+def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
+    (tmp_path / "ledger_env.py").write_text(LEDGER)
+    base = ["--set", "preference.algorithm=ppo"]
+    cases = [
+        (["preference.environment=no_such_module:Env"],
+         "preference.environment: cannot import module 'no_such_module'"),
+        (["preference.tools=[ledger_env:undocumented]"], "preference.tools: tool undocumented: Cannot generate JSON "
+                                                          "schema for undocumented because it has no docstring"),
+        (["preference.max_turns=0"], "preference.max_turns: Input should be greater than or equal to 1"),
+        (["preference.algorithm=grpo", "preference.environment=ledger_env:Ledger"],
+         "preference.environment: grpo does not roll out with tools yet (ppo does)"),
+        (["preference.rewards=[{name: environment}]"], "preference.rewards names environment but "
+                                                        "preference.environment is not set"),
+    ]
+    for overrides, line in cases:
+        proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(TINY), *base,
+                               "--set", f"run.root={tmp_path / 'runs'}", *[a for o in overrides for a in ("--set", o)]],
+                              capture_output=True, text=True, cwd=tmp_path)
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert proc.returncode != 0 and len(errors) == 1 and line in errors[0], (overrides, proc.stderr[-800:])
+        assert not (tmp_path / "runs" / "store").exists()  # nothing ran
