@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gptforge.core.errors import DataError
+from gptforge.core.errors import DataError, UserError
 from gptforge.model.rollout.calls import parse
 from gptforge.model.rollout.tools import Call, Setup, Toolbox
 
@@ -96,6 +96,11 @@ def rollouts(setup: Setup, sample: Sampler, tokenizer, rows: list[dict], fmt: st
     """One episode a prompt row ({"prompt": messages, "answer", **columns}): a fresh environment reset with the row,
     then `run_episodes`."""
     episodes = [start(tokenizer, row["prompt"], setup.toolbox(row)) for row in rows]
+    longest = max(len(e.prompt_ids) for e in episodes)
+    if longest >= max_length:
+        raise UserError(f"a prompt with the tools' schemas and the environment's first observation is {longest} "
+                        f"tokens, with no room left under preference.max_length ({max_length}); raise it, or give "
+                        "fewer tools or shorter docstrings")
     return run_episodes(sample, tokenizer, episodes, fmt, max_turns, max_length, stop_ids, everyone)
 
 
