@@ -161,9 +161,9 @@ class SpanMemo:
 
 
 class FullSignatures(MinhashDedupSignature):
-    """datatrove's MinHash signature step, which also writes each document's whole signature in document order
-    (`<full_dir>/<rank>.sig`: the document's index, then bands x rows hashes), for `VerifiedPairs`; its English
-    words through `SpanMemo`."""
+    """datatrove's MinHash signature step, which also writes each document's whole signature in document order, for
+    `VerifiedPairs`: `<full_dir>/<rank>.docs` (the indices of the documents signed, uint32) and `<rank>.sig` (their
+    bands x rows hashes, uint64); its English words through `SpanMemo`."""
 
     def __init__(self, output_folder: Path, config, full_dir: Path):
         super().__init__(str(output_folder), config)
@@ -171,17 +171,19 @@ class FullSignatures(MinhashDedupSignature):
         self.word_tokenizer = SpanMemo(self.word_tokenizer)
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1):
-        path = self.full_dir / f"{rank:05d}.sig"
-        if self.check_can_skip_sig_writing(rank)[0] and path.is_file():  # a task that wrote them, then was killed
+        docs, sigs = (self.full_dir / f"{rank:05d}{ext}" for ext in (".docs", ".sig"))
+        if self.check_can_skip_sig_writing(rank)[0] and docs.is_file() and sigs.is_file():  # written, then killed
             return super().run(data, rank, world_size)
         self.full_dir.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(".part")
-        self._full, self._doc = open(part, "wb"), -1
+        parts = [path.with_suffix(path.suffix + ".part") for path in (docs, sigs)]
+        self._docs, self._sigs, self._doc = open(parts[0], "wb"), open(parts[1], "wb"), -1
         try:
             super().run(data, rank, world_size)
         finally:
-            self._full.close()
-        part.replace(path)
+            self._docs.close()
+            self._sigs.close()
+        for part, path in zip(parts, (docs, sigs)):
+            part.replace(path)
 
     def get_shingles(self, text: str) -> np.ndarray:
         self._doc += 1  # the base step asks for every document's shingles, in order, once
@@ -189,19 +191,18 @@ class FullSignatures(MinhashDedupSignature):
 
     def get_signature(self, shingles: np.ndarray) -> list[list[int]]:
         sig = super().get_signature(shingles)
-        self._full.write(struct.pack("<I", self._doc) + np.asarray(sig, dtype="<u8").tobytes())
+        self._docs.write(struct.pack("<I", self._doc))
+        self._sigs.write(np.asarray(sig, dtype="<u8").tobytes())
         return sig
 
 
 def full_signatures(folder: Path, rank: int, hashes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(document indices, signatures (n, hashes)) of a task's `<rank>.sig` in `folder`, memory-mapped."""
-    path = folder / f"{rank:05d}.sig"
-    record = np.dtype([("doc", "<u4"), ("sig", "<u8", (hashes,))])
-    if path.stat().st_size == 0:
-        empty = np.zeros(0, dtype=record)
-        return empty["doc"], empty["sig"]
-    records = np.memmap(path, dtype=record, mode="r")
-    return records["doc"], records["sig"]
+    """(the indices of a task's documents signed, in memory: 4 bytes a document; their signatures (n, hashes),
+    memory-mapped: a pair's check reads its two rows alone, so that memory stays flat in the corpus size)."""
+    docs = np.fromfile(folder / f"{rank:05d}.docs", dtype="<u4")
+    if len(docs) == 0:
+        return docs, np.zeros((0, hashes), dtype="<u8")
+    return docs, np.memmap(folder / f"{rank:05d}.sig", dtype="<u8", mode="r", shape=(len(docs), hashes))
 
 
 class VerifiedPairs(PipelineStep):
