@@ -178,10 +178,9 @@ class PreferenceSection(TrainSection):
                                  "subtracts one per token over.")
     reference: str | None = Setting(None, description="The reference policy (hub name or local directory); None: the "
                                     "SFT model (with adapters: the policy with its adapters disabled).")
-    environment: str | None = Setting(None, description="An environment factory, package.module:Factory (TRL's "
-                                      "conventions): one environment a rollout, reset(**row) its first observation, "
-                                      "its public methods (type hints, docstrings) its tools, get_reward() a reward "
-                                      "({name: environment} in rewards).")
+    environment: str | None = Setting(None, description="package.module:Factory, one environment a rollout (TRL's "
+                                      "conventions): reset(**row), its public methods as tools, get_reward() "
+                                      "optional.")
     tools: list[str] = Setting([], description="Stateless tools for the rollouts, package.module:function, each with "
                                "type hints and a docstring.")
     max_turns: int = Setting(4, ge=1, description="Turns of the policy in one rollout with tools; a turn that calls "
