@@ -43,7 +43,7 @@ from gptforge.model.eval import rewards
 from gptforge.model.eval.generation import (check_same_vocabulary, generate_ids, id_sampler, policy_and_judge,
                                             reward_scores, same_vocabulary, stop_ids)
 from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.episode import rollouts, tensors
+from gptforge.model.rollout.episode import rollouts, tensors, write_trajectories
 from gptforge.model.rollout.tools import Setup
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.train.guard import StepGuard
@@ -90,18 +90,6 @@ def episode_metrics(episodes, device) -> dict:
     turns, calls, errors, n = all_sum([sum(e.turns for e in episodes), sum(len(e.calls) for e in episodes),
                                        sum(e.tool_errors for e in episodes), len(episodes)], device)
     return {"turns_per_episode": turns / n, "tool_calls_per_episode": calls / n, "tool_errors": errors}
-
-
-def write_trajectories(folder: Path, step: int, episodes, total: list[float], each: dict) -> None:
-    """A logged step's episodes (rank 0's): messages, calls, results, errors, each reward and the token counts."""
-    import json
-
-    folder.mkdir(parents=True, exist_ok=True)
-    rows = [{**e.record(), "reward": total[j], "rewards": {k: v[j] for k, v in each.items()}}
-            for j, e in enumerate(episodes)]
-    tmp = folder / f"step-{step:08d}.jsonl.part"
-    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
-    tmp.replace(folder / f"step-{step:08d}.jsonl")
 
 
 def policy_logprobs(model, seqs, attention, P: int, aux: bool = False, tiles: int = 1):

@@ -16,8 +16,10 @@ end-of-turn token (ChatML's newline), is tokenized on its own. The turn's end-of
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gptforge.core.errors import DataError, UserError
 from gptforge.model.rollout.calls import parse
@@ -173,3 +175,13 @@ def tensors(episodes: list[Episode], pad_id: int):
         attention[b, P - p:P + n] = 1
         mask[b, :n] = torch.tensor(e.mask, dtype=torch.long)
     return seqs, attention, mask, P
+
+
+def write_trajectories(folder: Path, step: int, episodes, total: list[float], each: dict) -> None:
+    """A logged step's episodes (rank 0's): messages, calls, results, errors, each reward and the token counts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{**e.record(), "reward": total[j], "rewards": {k: v[j] for k, v in each.items()}}
+            for j, e in enumerate(episodes)]
+    tmp = folder / f"step-{step:08d}.jsonl.part"
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
+    tmp.replace(folder / f"step-{step:08d}.jsonl")

@@ -122,7 +122,8 @@ TRL_NAMES = {
     "logps/chosen": "chosen_logps", "logps/rejected": "rejected_logps", "mean_token_accuracy": "token_accuracy",
     "reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zero_std": "frac_reward_zero_std",
     "kl": "kl_per_token", "completions/mean_length": "response_length", "clip_ratio/region_mean": "clip_frac",
-    "aux_loss": "aux_loss",
+    "aux_loss": "aux_loss", "turns_per_episode": "turns_per_episode",
+    "tool_calls_per_episode": "tool_calls_per_episode", "tool_errors": "tool_errors",
 }
 # Measures of how a run went (speed, memory) rather than of what it computed: they differ between two runs that
 # computed the same thing.

@@ -18,6 +18,9 @@ from gptforge.model.eval import rewards
 from gptforge.model.eval.generation import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.pretrained import load_policy, reference_dir
+from gptforge.model.rollout.calls import format_of
+from gptforge.model.rollout.online import agent_trainer
+from gptforge.model.rollout.tools import Setup
 from gptforge.model.train import sequence_parallel
 from gptforge.model.train.checkpoints import no_pickled_code
 from gptforge.model.train.distributed import barrier, setup_distributed
@@ -38,6 +41,9 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: st
     config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
+    if pc.environment or pc.tools:  # each rollout an episode with tools (gptforge.model.rollout)
+        trainer_cls = agent_trainer(trainer_cls, Setup.load(pc.environment, pc.tools, pc.tool_timeout_s),
+                                    format_of(tokenizer.chat_template, str(sft_dir)), pc, oc, out_dir / "rollouts")
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
     data_parallel = dist.world_size // dist.sequence_parallel
     args = config_cls(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,

@@ -62,6 +62,34 @@ def test_ppo_rolls_out_a_users_environment(chain, tmp_path, monkeypatch):
         assert e["messages"][-1]["role"] == "assistant"
 
 
+def test_grpo_rolls_out_a_users_environment_through_trls_rollout_hook(chain, tmp_path, monkeypatch):
+    (tmp_path / "ledger_env.py").write_text(LEDGER)
+    monkeypatch.chdir(tmp_path)
+    cfg, path = prepared(chain, tmp_path / "run", "preference.algorithm=grpo", "distributed.zero_stage=2",
+                         "preference.max_steps=2", "preference.log_every=1", "preference.grpo.ptx_coef=0",
+                         "preference.environment=ledger_env:Ledger", "preference.max_turns=3",
+                         "preference.rewards=[{name: reward_model}, {name: environment, weight: 0.5}]")
+    manifest, out_dir, _ = run_stage(cfg, path, "grpo")
+    assert manifest["metrics"]["global_step"] == 2
+    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "rewards/environment"):
+        assert len(logged(out_dir, key)) == 2, key
+    assert logged(out_dir, "turns_per_episode") == [1, 1]
+    total = logged(out_dir, "reward_mean")  # TRL's weighed sum, with the environment's reward in it
+    parts = [m + 0.5 * e for m, e in zip(logged(out_dir, "rewards/reward_model"),
+                                         logged(out_dir, "rewards/environment"))]
+    assert total == pytest.approx(parts, abs=1e-4)
+    for step in (1, 2):
+        lines = (out_dir / "rollouts" / f"step-{step:08d}.jsonl").read_text().splitlines()
+        episodes = [json.loads(line) for line in lines]
+        assert episodes
+        for e in episodes:
+            asked = e["messages"][0]["content"]
+            assert asked.endswith(" (ledger open)")
+            assert e["rewards"]["environment"] == pytest.approx((len(asked.removesuffix(" (ledger open)")) % 5) / 4)
+            assert e["reward"] == pytest.approx(e["rewards"]["reward_model"] + 0.5 * e["rewards"]["environment"])
+            assert e["policy_tokens"] >= 1 and e["messages"][-1]["role"] == "assistant"
+
+
 def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
     (tmp_path / "ledger_env.py").write_text(LEDGER)
     base = ["--set", "preference.algorithm=ppo"]
@@ -71,8 +99,8 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
         (["preference.tools=[ledger_env:undocumented]"], "preference.tools: tool undocumented: Cannot generate JSON "
                                                           "schema for undocumented because it has no docstring"),
         (["preference.max_turns=0"], "preference.max_turns: Input should be greater than or equal to 1"),
-        (["preference.algorithm=grpo", "preference.environment=ledger_env:Ledger"],
-         "preference.environment: grpo does not roll out with tools yet (ppo does)"),
+        (["preference.algorithm=rloo", "preference.environment=ledger_env:Ledger"],
+         "preference.environment: rloo does not roll out with tools yet (ppo and grpo do)"),
         (["preference.rewards=[{name: environment}]"], "preference.rewards names environment but "
                                                         "preference.environment is not set"),
     ]
