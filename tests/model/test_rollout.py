@@ -201,3 +201,71 @@ def test_tools_need_hints_and_docstrings_and_templates_must_render_tools():
     assert parse('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": 1}}',
                  "llama3_json").calls == [("a", {}), ("b", {"k": 1})]
     assert Toolbox(None, {}, 1).call("x", {}).error.startswith("LookupError")
+
+
+def test_grpo_trains_the_sampled_ids_of_a_three_turn_episode_with_the_tool_turns_masked(tokenizers, tmp_path,
+                                                                                          monkeypatch):
+    """The hand-off to TRL (gptforge.model.rollout.online): TRL's GRPOTrainer, in this process on the CPU, takes
+    the episodes' ids and masks as they are; its loss mask is exactly the policy's tokens; the rewards read the
+    last turn, the trajectory and the environment's reward; the loss is finite."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gptforge.core.config import PreferenceSection
+    from gptforge.model.rollout import online
+
+    tok = tokenizers["hermes"]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = [call_text("hermes", "add", {"amount": 3}), call_text("hermes", "add", {"amount": 10}),
+             "The total is 15."]
+    sampled: list[list[int]] = []
+
+    def sampler(model, pad_id, max_new_tokens, **sampling):  # a turn chosen by the results seen so far
+        def sample(sequences, budgets):
+            out = [tok(turns[tok.decode(s).count("<tool_response>")], add_special_tokens=False)["input_ids"] + [eot]
+                   for s in sequences]
+            sampled.extend(out)
+            return out
+        return sample
+
+    monkeypatch.setattr(online, "id_sampler", sampler)
+    monkeypatch.setattr(online, "stop_ids", lambda model: {eot})
+    seen = {}
+
+    def outcome(prompts, completions, messages, environment_reward, **_):
+        seen.update(completions=completions, messages=messages, environment_reward=environment_reward)
+        return [float(c[-1]["content"] == "The total is 15.") for c in completions]
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=4096, eos_token_id=eot, pad_token_id=tok.pad_token_id))
+    pc = PreferenceSection(max_turns=3, max_length=4096, log_every=1)
+    cls = online.agent_trainer(GRPOTrainer, Setup(Ledger, [], 5), "hermes", pc, pc.grpo, tmp_path / "rollouts")
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=2,
+                      num_generations=2, max_completion_length=64, report_to=[], beta=0.0, logging_steps=1)
+    row = {"prompt": [{"role": "user", "content": "Add 3, then 10; say the total."}], "start": 2}
+    from datasets import Dataset
+
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list([row] * 2), processing_class=tok,
+                  reward_funcs=[outcome])
+    batch = trainer._generate_and_score_completions([dict(row), dict(row)])
+
+    episodes = trainer._episodes
+    assert [(e.turns, e.ended, len(e.calls)) for e in episodes] == [(3, "answer", 2)] * 2
+    assert len(sampled) == 6
+    for b, e in enumerate(episodes):
+        n = len(e.ids)
+        assert batch["completion_ids"][b, :n].tolist() == e.ids  # the ids trained are the episode's, as sampled
+        trained = (batch["completion_mask"] * batch["tool_mask"])[b]
+        assert trained[:n].tolist() == e.mask and int(trained[n:].sum()) == 0  # the loss mask: the policy's tokens
+        assert [i for i, m in zip(e.ids, e.mask) if m] == [i for turn in sampled[b::2] for i in turn]
+    assert [m["role"] for m in seen["completions"][0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert seen["messages"][0][0]["content"].endswith("(the ledger starts at 2)")
+    assert seen["environment_reward"] == [1.0, 1.0]  # 2 + 3 + 10: get_reward() of each episode's own ledger
+    trainer.current_gradient_accumulation_steps = 1  # what the training loop sets before each step
+    loss = trainer.compute_loss(trainer.model, batch)
+    assert torch.isfinite(loss)
+    lines = (tmp_path / "rollouts" / "step-00000001.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and '"reward": 1.0' in lines[0]
