@@ -8,5 +8,6 @@ calls none or `max_turns` or the length budget is reached.
 - `calls`: the tool calls of a turn, parsed in the model's own format (Hermes / Qwen2.5 `<tool_call>`, Llama 3.1
   JSON);
 - `episode`: the multi-turn loop, token-exact: the ids trained are the ids sampled, the tokens between turns are
-  added as the template renders them, and the mask covers exactly the policy's own tokens.
+  added as the template renders them, and the mask covers exactly the policy's own tokens;
+- `online`: the same episodes inside TRL's GRPOTrainer (its `rollout_func` hook), so that PPO and GRPO share them.
 """
