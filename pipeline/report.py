@@ -15,6 +15,7 @@ import base64
 import json
 from pathlib import Path
 
+from gptforge.core.config import ONLINE_ALGORITHMS
 from gptforge.core.files import write_json_atomic
 from gptforge.model.train.metrics import HARNESS
 
@@ -162,6 +163,36 @@ def funnel_markdown(out_dir: Path, image) -> str:
     return "\n".join(md)
 
 
+def trajectory_markdown(stage: str, out_dir: Path) -> str:
+    """One episode of an online stage that rolled out with tools (its last `rollouts/step-N.jsonl`): the one with
+    the most tool calls, turn by turn, with its rewards; "" where the stage wrote none."""
+    files = sorted((out_dir / "rollouts").glob("step-*.jsonl"))
+    if not files:
+        return ""
+    episodes = [json.loads(line) for line in files[-1].read_text().splitlines() if line.strip()]
+    if not episodes:
+        return ""
+    e = max(episodes, key=lambda e: len(e["tool_calls"]))  # the first of the busiest
+    step = int(files[-1].stem.removeprefix("step-"))
+    rewards = ", ".join(f"{k} {number(v)}" for k, v in e["rewards"].items())
+    md = [f"## A {stage} trajectory (step {step})", "",
+          f"{e['turns']} turns, {len(e['tool_calls'])} tool calls ({e['tool_errors']} failed), ended by "
+          f"{e['ended']}; {e['policy_tokens']} policy tokens, {e['tool_tokens']} tool tokens; reward "
+          f"{number(e['reward'])} ({rewards}).", ""]
+
+    def clip(text: str) -> str:
+        text = (text or "").replace("\n", " ").replace("|", "\\|")
+        return text if len(text) <= 300 else text[:300] + "..."
+
+    md += ["| role | content |", "| --- | --- |"]
+    for m in e["messages"]:
+        content = clip(m.get("content"))
+        calls = [c.get("function", c) for c in m.get("tool_calls") or []]
+        content += "".join(f" **calls** `{c['name']}({json.dumps(c.get('arguments', {}))})`" for c in calls)
+        md.append(f"| {m['role']} | {content} |")
+    return "\n".join(md)
+
+
 def make_plots(stages: dict, plots_dir: Path) -> list[str]:
     """Draw each stage's figure, kl.png and the curate stage's funnel; return the plot names (file stems), in stage
     order."""
@@ -234,6 +265,10 @@ def markdown(record: dict, plots: list[str], image) -> str:
     curate = record["stages"].get("curate", {}).get("output")
     if FUNNEL in plots and curate:
         md += [funnel_markdown(Path(curate), image), ""]
+    for stage, info in record["stages"].items():
+        if stage in ONLINE_ALGORITHMS and info.get("output") and (episode := trajectory_markdown(
+                stage, Path(info["output"]))):
+            md += [episode, ""]
     md += [f"![{n}]({image(n)})\n" for n in plots if n != FUNNEL]
     return "\n".join(md)
 

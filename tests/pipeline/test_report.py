@@ -81,3 +81,46 @@ def test_an_estimate_is_shown_with_its_standard_error():
 
     table = stage_table("evaluate-dpo", {"metrics": {"kl": -0.004, "kl_stderr": 0.011}, "action": "computed"})
     assert "| -0.004 ± 0.011 |" in table  # a small negative KL reads as noise
+
+
+class Counter:
+    def reset(self, **row) -> str:
+        self.total = 0
+        return ""
+
+    def add(self, amount: int) -> int:
+        """Add.
+
+        Args:
+            amount: what to add
+        """
+        self.total += amount
+        return self.total
+
+
+def test_the_report_shows_an_online_stages_busiest_trajectory(tmp_path):
+    from gptforge.model.rollout.episode import Episode, write_trajectories
+    from gptforge.model.rollout.tools import Setup
+
+    run_dir = run_dir_with_logs(tmp_path)
+    quiet = Episode([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], [1], [2], [1],
+                    toolbox=Setup(Counter, [], 5).toolbox({}), turns=1, ended="answer")
+    box = Setup(Counter, [], 5).toolbox({})
+    box.call("add", {"amount": 3})
+    busy = Episode([{"role": "user", "content": "Add 3 | say it"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "add", "arguments": {"amount": 3}}}]},
+                    {"role": "tool", "name": "add", "content": "3"},
+                    {"role": "assistant", "content": "It is 3."}], [1], [2, 3, 4, 5], [1, 0, 0, 1],
+                   toolbox=box, turns=2, ended="answer")
+    out = tmp_path / "store" / "ppo"
+    write_trajectories(out / "rollouts", 1, [busy, quiet], [0.0, 0.0], {"exact_match": [0.0, 0.0]})
+    write_trajectories(out / "rollouts", 2, [quiet, busy], [0.0, 1.5], {"exact_match": [0.0, 1.0]})
+    _, markdown = write_report(run_dir)
+    section = markdown[markdown.index("## A ppo trajectory (step 2)"):]
+    assert "2 turns, 1 tool calls (0 failed), ended by answer; 2 policy tokens, 2 tool tokens; reward 1.5 " \
+           "(exact_match 1)." in section
+    assert "| user | Add 3 \\| say it |" in section  # a pipe in the text does not break the table
+    assert '| assistant |  **calls** `add({"amount": 3})` |' in section
+    assert "| tool | 3 |" in section and "| assistant | It is 3. |" in section
+    assert "## A dpo trajectory" not in markdown  # stages without rollouts show none
