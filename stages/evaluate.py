@@ -13,7 +13,9 @@ reference answers (ROUGE-L; exact match where the answers are short; without ref
 could not be computed). After a preference stage (inputs the policy, sft, and reward where preference.rewards
 has a reward model): the preference report (gptforge.model.eval.generation.preference_report), exact match only on the
 demo's verifiable items, and each of the other rewards' accuracy for both models (with eval.samples, pass@k as
-well). Each item's greedy answers go to `answers.jsonl`: the model's `response` beside its base's
+well). With preference.environment or preference.tools, each answer of both models is an episode through the
+environment and tools (gptforge.model.rollout), the rewards reading its last turn, its trajectory and the
+environment's get_reward(). Each item's greedy answers go to `answers.jsonl`: the model's `response` beside its base's
 (`base_response`) after SFT, or beside the SFT model's (`sft_response`) with both scores after a preference stage,
 so that every figure of the report can be recomputed from it. Then `eval.harness_tasks` through lm-evaluation-harness
 (gptforge.model.eval.harness), results in `harness/`.
@@ -41,6 +43,9 @@ from gptforge.model.eval.generation import (answers, policy_and_judge, preferenc
 from gptforge.model.eval import rewards
 from gptforge.model.eval.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, start_model
+from gptforge.model.rollout.calls import format_of
+from gptforge.model.rollout.episode import Agent
+from gptforge.model.rollout.tools import Setup
 from gptforge.stages.entry import exit_process, main
 from gptforge.stages.registry import EVAL_OUTPUTS
 
@@ -94,10 +99,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         checks, skipped = rewards.checks_for(cfg.preference, tokenizer, items)
         if skipped and rank == 0:
             print(f"[eval] {held_out.source}: not computed: {', '.join(skipped)} (no reference answers)", flush=True)
+        pc = cfg.preference
+        agent = Agent(Setup.load(pc.environment, pc.tools, pc.tool_timeout_s),
+                      format_of(tokenizer.chat_template, str(model_dir)), pc.max_turns, pc.max_length) \
+            if pc.environment or pc.tools else None  # each answer an episode through the stage's environment
         metrics, rows = preference_report(unwrap(model), unwrap(sft), reward_model, tokenizer, items,
-                                               cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
-                                               reward_tokenizer=reward_tokenizer, checks=checks,
-                                               samples=cfg.eval.samples, **split, **cache)
+                                          cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
+                                          reward_tokenizer=reward_tokenizer, checks=checks,
+                                          samples=cfg.eval.samples, agent=agent, **split, **cache)
     if rank == 0:
         with open(out_dir / EVAL_OUTPUTS["answers"], "w") as f:
             for it, row in zip(items, rows):

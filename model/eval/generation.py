@@ -217,6 +217,26 @@ def sample_responses(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     return responses
 
 
+def agent_answers(agent, model, tokenizer, items: list[dict], max_new_tokens: int, synced: bool = False,
+                  **sampling) -> tuple[list[str], dict[str, list], list[int]]:
+    """Each item's episode through `agent` (gptforge.model.rollout.episode.Agent: the environment and tools, the
+    policy's call format, the turn and length budgets), greedy unless `sampling` says otherwise: (the last turns,
+    the reward columns: `messages`, the trajectories, and `environment_reward`; the tool calls of each).
+    `synced`: the model is partitioned (ZeRO-3), the ranks sample in step until every rank's episodes end."""
+    from gptforge.model.rollout.episode import rollouts
+    from gptforge.model.train.distributed import all_sum
+
+    model.eval()
+    device = next(model.parameters()).device
+    sample = id_sampler(model, tokenizer.pad_token_id, max_new_tokens, synced, **(sampling or {"do_sample": False}))
+    everyone = (lambda any_open: all_sum([float(any_open)], device)[0] > 0) if synced else None
+    episodes = rollouts(agent.setup, sample, tokenizer, items, agent.fmt, agent.max_turns, agent.max_length,
+                        stop_ids(model), everyone)
+    return ([e.response.strip() for e in episodes], {"messages": [e.messages for e in episodes],
+                                                     "environment_reward": [e.toolbox.reward() for e in episodes]},
+            [len(e.calls) for e in episodes])
+
+
 def win_rate(answers: list[str], other_answers: list[str], scores: list[float], other_scores: list[float]) -> float:
     """Share of prompts whose answer the reward model scores above the other's; the same answer, or the same
     score, is a tie and counts half."""
@@ -238,7 +258,7 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
                       synced: bool = False, verifiable: bool = True,
                       reward_tokenizer=None, cache: str = "full", checks: list | None = None,
-                      samples: int = 0) -> tuple[dict, list[dict]]:
+                      samples: int = 0, agent=None) -> tuple[dict, list[dict]]:
     """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
     SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
     samples from the policy (nats per response, with the standard error of that mean: a single-sample estimate, it
@@ -249,22 +269,33 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
     scores both models' greedy answers (accuracy/<label>, sft_accuracy/<label>) and, with `samples`, `samples`
     sampled answers of each (pass@<samples>/<label>: a positive reward among them). Without a reward model the
     checks' weighed total is the score. Batched; each rank takes its share of the batches (`shares`), every rank
-    gets the report; `synced`: the models are partitioned (ZeRO-3)."""
+    gets the report; `synced`: the models are partitioned (ZeRO-3). With an `agent` (the stage's environment and
+    tools), each answer, greedy or sampled, is an episode through it (`agent_answers`): the rewards read its last
+    turn and its trajectory, the rows keep the trajectories, and tool_calls_per_episode counts the calls of both
+    models; the KL stays that of single responses to the prompts."""
     checks, records = checks or [], []
     models = (("policy", policy), ("sft", sft))
     for share in shares(len(items), batch_size, rank, world):
         batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
         prompts, truth, columns = [it["prompt"] for it in batch], [it["answer"] for it in batch], columns_of(batch)
-        answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced,
-                                  **kv_cache(cache)) for name, model in models}
-        checked = {name: {r.label: r(prompts, answers[name], truth, columns) for r in checks} for name in answers}
+        if agent is None:
+            answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced,
+                                      **kv_cache(cache)) for name, model in models}
+            extra = {name: {} for name, _ in models}
+        else:
+            answers, extra, calls = {}, {}, {}
+            for name, model in models:
+                answers[name], extra[name], calls[name] = agent_answers(agent, model, tokenizer, batch, max_new_tokens,
+                                                                        synced)
+        checked = {name: {r.label: r(prompts, answers[name], truth, columns | extra[name]) for r in checks}
+                   for name in answers}
         scores = {name: reward_scores(reward_model, reward_tokenizer or tokenizer, prompts, answers[name], batch_size)
                   if reward_model is not None else
                   [sum(r.weight * checked[name][r.label][j] for r in checks) for j in range(len(batch))]
                   for name in answers}
         passed = {name: passes(model, tokenizer, batch, [r for r in checks if r.passes], samples, max_new_tokens,
-                               seed + 1 + (share or range(1))[0], batch_size, synced) for name, model in models} \
-            if samples else {}
+                               seed + 1 + (share or range(1))[0], batch_size, synced, agent)
+                  for name, model in models} if samples else {}
         drawn = sample_responses(policy, tokenizer, prompts, max_new_tokens, seed + (share or range(1))[0], synced)
         kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, drawn, batch_size),
                                     response_logprobs(sft, tokenizer, prompts, drawn, batch_size))]
@@ -274,7 +305,10 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
                             for label, values in checked[name].items()},
                          **{f"{prefix}pass@{samples}/{label}": values[j] for name, prefix in (("policy", ""),
                                                                                              ("sft", "sft_"))
-                            for label, values in passed.get(name, {}).items()}})
+                            for label, values in passed.get(name, {}).items()},
+                         **({"messages": extra["policy"]["messages"][j], "sft_messages": extra["sft"]["messages"][j],
+                             "tool_calls": calls["policy"][j], "sft_tool_calls": calls["sft"][j]}
+                            if agent is not None else {})})
                     for j, i in enumerate(share or [])]
     rows = gather_items(records, world)
     col = {key: [r[key] for r in rows] for key in rows[0]}
@@ -282,25 +316,33 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
               "reward_mean": sum(col["score"]) / len(items), "sft_reward_mean": sum(col["sft_score"]) / len(items),
               "kl": sum(col["kl"]) / len(items), "kl_stderr": standard_error(col["kl"])}
     report |= {key: sum(values) / len(items) for key, values in col.items() if "accuracy/" in key or "pass@" in key}
+    if agent is not None:
+        report |= {"tool_calls_per_episode": sum(col["tool_calls"]) / len(items),
+                   "sft_tool_calls_per_episode": sum(col["sft_tool_calls"]) / len(items)}
     if verifiable:
         truth = [it["answer"] for it in items]
         report |= {"exact_match": score_references(col["answer"], truth, ["exact_match"])["exact_match"],
                    "sft_exact_match": score_references(col["sft_answer"], truth, ["exact_match"])["exact_match"]}
     return report, [{"response": r["answer"], "sft_response": r["sft_answer"], "score": r["score"],
-                     "sft_score": r["sft_score"]} for r in rows]
+                     "sft_score": r["sft_score"], **{k: r[k] for k in ("messages", "sft_messages") if k in r}}
+                    for r in rows]
 
 
 def passes(model, tokenizer, batch: list[dict], checks: list, k: int, max_new_tokens: int, seed: int,
-           batch_size: int, synced: bool) -> dict[str, list[float]]:
-    """{label: 1.0 where any of k answers sampled for the item (temperature 1) gets a positive reward, else 0}."""
+           batch_size: int, synced: bool, agent=None) -> dict[str, list[float]]:
+    """{label: 1.0 where any of k answers sampled for the item (temperature 1) gets a positive reward, else 0};
+    with an `agent`, each answer an episode through it."""
     torch.manual_seed(seed)
     repeated = [it for it in batch for _ in range(k)]
     prompts = [it["prompt"] for it in repeated]
-    drawn = generate(model, tokenizer, prompts, max_new_tokens, batch_size, do_sample=True, synced=synced,
-                     temperature=1.0, top_k=0, top_p=1.0)
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    if agent is None:
+        drawn, extra = generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced, **sampling), {}
+    else:
+        drawn, extra, _ = agent_answers(agent, model, tokenizer, repeated, max_new_tokens, synced, **sampling)
     out = {}
     for r in checks:
-        values = r(prompts, drawn, [it["answer"] for it in repeated], columns_of(repeated))
+        values = r(prompts, drawn, [it["answer"] for it in repeated], columns_of(repeated) | extra)
         out[r.label] = [float(any(v > 0 for v in values[j * k:(j + 1) * k])) for j in range(len(batch))]
     return out
 

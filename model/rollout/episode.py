@@ -31,6 +31,17 @@ Sampler = Callable[[list[list[int]], list[int]], list[list[int]]]
 
 
 @dataclass
+class Agent:
+    """What an online stage and its evaluation roll out with: the environment and tools, the policy's call format
+    (gptforge.model.rollout.calls.format_of), and the turn and length budgets of an episode."""
+
+    setup: Setup
+    fmt: str
+    max_turns: int
+    max_length: int
+
+
+@dataclass
 class Episode:
     messages: list[dict]  # the trajectory: the prompt, each turn of the policy and each tool result
     prompt_ids: list[int]

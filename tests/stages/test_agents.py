@@ -61,6 +61,17 @@ def test_ppo_rolls_out_a_users_environment(chain, tmp_path, monkeypatch):
         assert e["policy_tokens"] >= 1 and e["ended"] in ("answer", "truncated", "max_turns", "max_length")
         assert e["messages"][-1]["role"] == "assistant"
 
+    # the held-out prompts through the same environment, for the SFT model and the policy
+    report, eval_dir, _ = run_stage(cfg, path, "eval-ppo")
+    rows = [json.loads(line) for line in (eval_dir / "answers.jsonl").read_text().splitlines()]
+    expected = [(len(r["prompt"][-1]["content"]) % 5) / 4 for r in rows]  # each held-out ledger's own reward
+    for key in ("accuracy/environment", "sft_accuracy/environment"):
+        assert report["metrics"][key] == pytest.approx(sum(expected) / len(rows), abs=1e-6), key
+    for r in rows:
+        for key, response in (("messages", "response"), ("sft_messages", "sft_response")):
+            assert r[key][0]["content"].endswith(" (ledger open)") and r[key][-1]["content"].strip() == r[response]
+    assert report["metrics"]["tool_calls_per_episode"] == 0  # no tools: each episode one turn
+
 
 def test_grpo_rolls_out_a_users_environment_through_trls_rollout_hook(chain, tmp_path, monkeypatch):
     (tmp_path / "ledger_env.py").write_text(LEDGER)
