@@ -29,36 +29,47 @@ class Encoded:
     truncated: int = 0
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+           tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer, messages: list[dict],
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The conversation as its chat template renders it, and the character span of each assistant turn: from the
     end of the conversation before it rendered with the generation prompt (the assistant header) to where the
     conversation rendered through that turn stops agreeing with the whole. Exact for every template that renders
     a conversation's earlier turns as it renders them alone (a default system prompt, Llama 3's headers, ChatML,
-    Mistral's [INST] ...), generation markers or not; a template that does not is a DataError naming the turn."""
-    text = render(tokenizer, messages)
+    Mistral's [INST] ...), generation markers or not; a template that does not is a DataError naming the turn.
+    A tool-use demonstration (`tools`, the assistant turns' tool_calls, tool turns) is rendered with its tools; its
+    calls are part of the assistant turns trained on, its tool results are not; a template that drops the calls is
+    a DataError."""
+    text = render(tokenizer, messages, tools=tools)
+    dropped = [c["function"]["name"] for m in messages for c in m.get("tool_calls") or []
+               if c["function"]["name"] not in text]
+    if dropped:
+        raise DataError(f"the chat template does not render tool calls (the call of {dropped[0]} is missing from the "
+                        "rendered conversation): give a model whose template does, or sft.chat_template")
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = render(tokenizer, messages[:i], add_generation_prompt=True)
+        head = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
         if not text.startswith(head):
             raise DataError(f"the chat template renders the conversation before assistant turn {i} differently on its "
                             "own than inside the whole conversation, so its assistant tokens cannot be found; "
                             f"conversation starts {text[:80]!r}")
-        through = render(tokenizer, messages[:i + 1])
+        through = render(tokenizer, messages[:i + 1], tools=tools)
         end = next((k for k, (a, b) in enumerate(zip(through, text)) if a != b), min(len(through), len(text)))
         spans.append((len(head), end))
     return text, spans
 
 
-def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def assistant_mask(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, mask): the conversation's tokens, as apply_chat_template tokenizes it, and 1 on every token of an
-    assistant turn (its content and the template's end of turn), 0 elsewhere."""
-    text, spans = assistant_spans(tokenizer, messages)
+    assistant turn (its content, its tool calls and the template's end of turn), 0 elsewhere."""
+    text, spans = assistant_spans(tokenizer, messages, tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(s < b and e > a for a, b in spans)) for s, e in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
@@ -71,10 +82,10 @@ def encode_conversations(tokenizer, conversations: list[dict], max_length: int, 
     out = Encoded()
     for conv in conversations:
         messages = conv["messages"]
-        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
             out.skipped["no_assistant_turn"] += 1
             continue
-        ids, mask = assistant_mask(tokenizer, messages)
+        ids, mask = assistant_mask(tokenizer, messages, conv.get("tools"))
         if len(ids) > max_length:
             if on_too_long == "skip" or not any(mask[:max_length]):
                 out.skipped["too_long"] += 1

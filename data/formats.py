@@ -1,8 +1,11 @@
 """Format adapters: raw rows -> one normalised shape per kind.
 
 - text:       str (pretraining)
-- messages:   {"messages": [{"role": "system|user|assistant", "content": str}, ...]}
-              from Alpaca (instruction/input/output), ShareGPT (conversations from/value) or OpenAI messages
+- messages:   {"messages": [{"role": "system|user|assistant|tool", "content": str}, ...], "tools"?: [schema, ...]}
+              from Alpaca (instruction/input/output), ShareGPT (conversations from/value) or OpenAI messages;
+              OpenAI's tool use too: an assistant turn's `tool_calls` (normalised to {"type": "function",
+              "function": {"name", "arguments": {...}}}), `tool` turns with the results, and the row's `tools`
+              (the JSON schemas the template lists)
 - preference: {"prompt": [messages...], "chosen": str, "rejected": str}
               from flat prompt/chosen/rejected strings, UltraFeedback-style message lists, or
               Anthropic HH full transcripts ("\\n\\nHuman: ... \\n\\nAssistant: ...")
@@ -12,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -27,7 +31,7 @@ class BadRow(ValueError):
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def _str(row: dict, key: str) -> str:
@@ -58,10 +62,48 @@ def _check_messages(messages) -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise BadRow(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+        calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else []
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise BadRow(f"message {i} content should be a string")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {}),
+                    **({"name": m["name"]} if role == "tool" and isinstance(m.get("name"), str) else {})})
     return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant turn's tool calls, OpenAI's ({"type": "function", "function": {"name", "arguments"}}, the
+    arguments an object or its JSON text) or bare ({"name", "arguments"}), as the chat templates take them."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise BadRow(f"message {i} tool_calls should be a list")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRow(f"message {i} tool call {k} needs a function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise BadRow(f"message {i} tool call {k} ({fn['name']}): arguments are not JSON") from None
+        if not isinstance(args, dict):
+            raise BadRow(f"message {i} tool call {k} ({fn['name']}): arguments should be an object")
+        out.append({"type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tools(tools) -> list[dict]:
+    """A row's tool schemas: JSON schemas as transformers' get_json_schema writes them, or their function part."""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow("tools should be a list of JSON schemas")
+    for k, t in enumerate(tools):
+        if not isinstance(t.get("function", t).get("name"), str):
+            raise BadRow(f"tool {k} needs a name")
+    return [t if "function" in t else {"type": "function", "function": t} for t in tools]
 
 
 def to_messages(value) -> dict:
@@ -92,9 +134,10 @@ def to_messages(value) -> dict:
             messages.insert(0, {"role": "system", "content": value["system"]})
     else:
         raise BadRow("no 'messages', 'conversations' or 'instruction' field")
-    if not any(m["content"].strip() for m in messages):
+    if not any(m["content"].strip() or m.get("tool_calls") for m in messages):
         raise BadRow("empty conversation")
-    return {"messages": messages}
+    tools = _tools(value["tools"]) if value.get("tools") is not None else None
+    return {"messages": messages, **({"tools": tools} if tools else {})}
 
 
 HH_TURN = re.compile(r"\n\n(Human|Assistant): ")

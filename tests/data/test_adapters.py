@@ -1,4 +1,5 @@
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,6 +42,31 @@ def test_chat_formats_normalise_to_messages():
     assert to_messages(sharegpt)["messages"] == [{"role": "user", "content": "hi"},
                                                  {"role": "assistant", "content": "hello"}]
     assert to_messages(openai) == openai
+
+
+def test_tool_use_demonstrations_normalise_to_the_templates_shape():
+    schema = {"name": "add", "description": "Add.", "parameters": {"type": "object", "properties": {}}}
+    row = {"tools": [schema], "messages": [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "name": "add", "tool_call_id": "c1", "content": "5"},
+        {"role": "assistant", "content": "5"}]}
+    out = to_messages(row)
+    assert out["tools"] == [{"type": "function", "function": schema}]
+    assert out["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    assert out["messages"][2] == {"role": "tool", "content": "5", "name": "add"}
+    bare = {"messages": [{"role": "user", "content": "x"},
+                         {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": {}}]}]}
+    assert to_messages(bare)["messages"][1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {}}
+    for bad, why in [({"name": "add", "arguments": "{not json"}, "message 1 tool call 0 (add): arguments are not JSON"),
+                     ({"arguments": {}}, "message 1 tool call 0 needs a function name")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            to_messages({"messages": [{"role": "user", "content": "x"},
+                                      {"role": "assistant", "content": "", "tool_calls": [bad]}]})
+    with pytest.raises(ValueError, match="tools should be a list of JSON schemas"):
+        to_messages({"tools": "add", "messages": [{"role": "user", "content": "x"}]})
 
 
 def test_preference_formats_normalise_to_pairs():

@@ -71,6 +71,34 @@ def test_the_prefix_mask_equals_the_generation_markers_mask(tokenizer):
     assert ids == list(enc["input_ids"]) and mask == list(enc["assistant_masks"]) and sum(mask) > 4
 
 
+def test_a_tool_use_demonstration_trains_on_the_calls_and_the_answer_not_the_results(tokenizer):
+    from gptforge.data.formats import to_messages
+
+    schema = {"name": "add", "description": "Add.", "parameters": {"type": "object", "properties": {}}}
+    conv = to_messages({"tools": [schema], "messages": [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": {"a": 2}}]},
+        {"role": "tool", "name": "add", "content": "yes no"},
+        {"role": "assistant", "content": "there"}]})
+    (ids, labels), = encode_conversations(tokenizer, [conv], 4096, True, "skip").examples
+    text = tokenizer.decode(ids)
+    assert '"name": "add"' in text[:text.index("<|im_start|>user\nhello")]  # the schema, in the system turn
+    trained = tokenizer.decode([t for t in labels if t != IGNORE])
+    assert trained == ('<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>\n'
+                       "there<|im_end|>\n")  # the call and the answer; the tool's result is context
+    enc = tokenizer.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    assert ids == list(enc["input_ids"]) and [int(t != IGNORE) for t in labels] == list(enc["assistant_masks"])
+    plain = tokenizer.chat_template
+    try:  # a template without tools drops the calls: an error, not a demonstration trained without them
+        tokenizer.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                                   "'<|im_end|>\\n' }}{%- endfor %}")
+        with pytest.raises(DataError, match="the chat template does not render tool calls .the call of add"):
+            encode_conversations(tokenizer, [conv], 4096, True, "skip")
+    finally:
+        tokenizer.chat_template = plain
+
+
 def test_chosen_rows_train_on_the_chosen_response_only(tokenizer):
     pairs = [{"prompt": [{"role": "user", "content": "hello"}], "chosen": "yes", "rejected": "no"},
              {"prompt": [{"role": "user", "content": "hello there"}], "chosen": "no", "rejected": "yes"}]
