@@ -222,17 +222,20 @@ def has_generation_markers(template: str | None) -> bool:
 
 
 def prepare_tokenizer(tokenizer, chat_template: str | None = None, grow: bool = True) -> list[str]:
-    """Give a tokenizer what the chat stages need, in place: a chat template where it has none (`chat_template`,
-    default ChatML with its turn tokens added as special tokens) and a pad token where it has none: a special token
-    that no rendered conversation holds (so a reward model, which reads its score at the last token that is not
-    padding, and anything that masks padding, never confuse it with an end of turn), else a new `<|pad|>`.
+    """Give a tokenizer what the chat stages need, in place: `chat_template` where given (in place of its own),
+    else ChatML where it has none (its turn tokens added as special tokens); and a pad token where it has none: a
+    special token that no rendered conversation holds (so a reward model, which reads its score at the last token
+    that is not padding, and anything that masks padding, never confuse it with an end of turn), else a new
+    `<|pad|>`.
     Returns the tokens added to the vocabulary."""
     before = len(tokenizer)
-    if not tokenizer.chat_template:
-        if chat_template is None and grow:
+    if chat_template is not None:  # given: the template the model is trained and saved with, in place of its own
+        tokenizer.chat_template = chat_template
+    elif not tokenizer.chat_template:
+        if grow:
             tokenizer.add_special_tokens({"extra_special_tokens": list(CHATML_TOKENS)},
                                          replace_extra_special_tokens=False)
-        tokenizer.chat_template = chat_template or CHATML
+        tokenizer.chat_template = CHATML
     if tokenizer.pad_token_id is None:
         sample = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         rendered = set(tokenizer.apply_chat_template(sample, tokenize=True, return_dict=True)["input_ids"])

@@ -50,8 +50,8 @@ class SFTSection(TrainSection):
     assistant_only_loss: bool = Setting(True, description="Loss on assistant tokens only (else the full sequence).")
     packing: bool = Setting(False, description="Pack several conversations into each sequence; positions restart and "
                             "attention stays within each conversation.")
-    chat_template: str | None = Setting(None, description="Jinja chat template for a model that has none (None: "
-                                        "ChatML, its special tokens added to the vocabulary); a model's own is kept.")
+    chat_template: str | None = Setting(None, description="Jinja chat template the SFT model is trained and saved "
+                                        "with, in place of its own (None: its own; ChatML for a model without one).")
     on_too_long: Literal["skip", "truncate"] = Setting("skip", description="What to do with examples over max_length.")
 
 
