@@ -40,20 +40,36 @@ def generate_ids(model, tokenizer, prompts: list[list[dict]], synced: bool = Fal
 def id_sampler(model, pad_id: int, max_new_tokens: int, synced: bool = False, **sampling):
     """sample(sequences, budgets) for gptforge.model.rollout.episode: token id sequences, left-padded, through
     `model.generate` with the KV cache; each continuation cut after its first stop token, at most its budget and
-    `max_new_tokens` long."""
+    `max_new_tokens` long. One generate call samples as many tokens for every row, so the rows whose budget is
+    below the batch's (the context nearly full) are sampled in calls of their own, each at most its rows' budget:
+    a row never runs past the positions the budgets leave it (a model's learned positions end there). Under
+    `synced` (ZeRO-3: the ranks generate in step) every rank makes two calls, the rows that may take the batch's
+    tokens and the others at the least of their budgets, a dummy row where a rank has none."""
     device, stops = next(model.parameters()).device, stop_ids(model)
 
-    @torch.no_grad()
-    def sample(sequences: list[list[int]], budgets: list[int]) -> list[list[int]]:
-        ids, attention = left_pad(sequences, pad_id)
-        new = max(1, min(max_new_tokens, max(budgets)))
+    def call(rows: list[list[int]], new: int) -> list[list[int]]:
+        ids, attention = left_pad(rows, pad_id)
         out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), pad_token_id=pad_id,
                              eos_token_id=list(stops), use_cache=True, synced_gpus=synced, max_new_tokens=new,
                              **sampling, **no_router_loss(model))
-        turns = []
-        for row, budget in zip(out[:, ids.shape[1]:].tolist(), budgets, strict=True):
-            cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
-            turns.append(row[:max(1, min(cut, budget))])
+        return out[:, ids.shape[1]:].tolist()
+
+    @torch.no_grad()
+    def sample(sequences: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        new = max(1, min(max_new_tokens, max(budgets)))
+        groups: dict[int, list[int]] = {}
+        for i, b in enumerate(budgets):  # by how many tokens a row may take
+            groups.setdefault(min(max(b, 1), new), []).append(i)
+        if synced:  # as many calls on every rank: the rows that may take `new`, then the others at the least
+            tight = [i for n, rows in groups.items() if n < new for i in rows]
+            groups = {new: groups.get(new, []), -1: tight}
+        turns: list[list[int]] = [[] for _ in sequences]
+        for n, rows in groups.items():
+            n = n if n > 0 else max(1, min((budgets[i] for i in rows), default=1))
+            drawn = call([sequences[i] for i in rows] or [sequences[0][:1]], n)
+            for i, row in zip(rows, drawn):
+                cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
+                turns[i] = row[:max(1, min(cut, budgets[i]))]
         return turns
 
     return sample

@@ -269,3 +269,23 @@ def test_grpo_trains_the_sampled_ids_of_a_three_turn_episode_with_the_tool_turns
     assert torch.isfinite(loss)
     lines = (tmp_path / "rollouts" / "step-00000001.jsonl").read_text().splitlines()
     assert len(lines) == 2 and '"reward": 1.0' in lines[0]
+
+
+def test_a_turn_never_runs_past_the_positions_its_budget_leaves():
+    """Rows of one batch with different budgets (one context nearly full): each is sampled at most its budget, and
+    none runs past the model's learned positions (one generate call for all would give every row the most tokens
+    any may take, and the fuller row's positions would run off the end of the position table)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gptforge.model.eval.generation import id_sampler
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                       eos_token_id=39, bos_token_id=39, pad_token_id=0))
+    model.generation_config.eos_token_id = 39
+    sample = id_sampler(model, pad_id=0, max_new_tokens=14, do_sample=True, top_k=0, temperature=1.0)
+    full, short, middle = list(range(1, 15)), [5, 6], list(range(1, 9))
+    turns = sample([full, short, middle], [2, 14, 8])
+    assert [len(t) <= b for t, b in zip(turns, [2, 14, 8])] == [True] * 3 and all(turns)
+    assert all(len(s) + len(t) <= 16 for s, t in zip([full, short, middle], turns))
