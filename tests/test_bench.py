@@ -144,6 +144,24 @@ def test_demo_seeds_and_rlvr_benches(chain, tmp_path):
     assert re.search(r"  ppo: +[\d.]+ ± nan  gain over SFT", out), out
 
 
+def test_agentic_bench(tmp_path):
+    """bench/agentic.py shrunk, one seed: its own corpus, tool-use demonstrations and problems; SFT learns to call
+    the tool from the demonstrations, GRPO and PPO roll out with it, and both evaluations answer through it (the
+    learning over 3 seeds is bench/RESULTS.md's)."""
+    shrunk = [*FAST, "distributed.nproc_per_node=1", "sft.max_steps=150", "sft.lr=2e-3", "preference.max_steps=2",
+              "eval.items=16"]
+    out = bench("agentic.py", "--seeds", "0", "--root", str(tmp_path), "--documents", "1500", "--calls", "400",
+                "--problems", "200", "--demonstrations", "600", *sets(shrunk))
+    calls = re.search(r"  sft: +([\d.]+) ± nan  \(tool calls per episode ([\d.]+) ± nan\)", out)
+    assert calls and float(calls.group(2)) > 0.5, out  # the SFT model calls the tool
+    for algo in ("grpo", "ppo"):
+        assert re.search(rf"  {algo}: +[\d.]+ ± nan  gain over SFT [+-][\d.]+ ± nan points.*tool calls per episode "
+                         r"[\d.]+ ± nan", out), out
+    trajectory = next((tmp_path / "store" / "grpo").glob("*/rollouts/step-00000002.jsonl"))
+    episode = json.loads(trajectory.read_text().splitlines()[0])
+    assert episode["tool_tokens"] > 0 and any(m["role"] == "tool" for m in episode["messages"])
+
+
 @pytest.mark.skipif(not BROWSER, reason="needs chromium and chromium-driver (apt) and selenium (.[browser])")
 @pytest.mark.parametrize("script", ["report_browser.py", "team_ui.py"])
 def test_browser_benches(script, tmp_path):
