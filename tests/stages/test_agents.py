@@ -40,31 +40,48 @@ def undocumented(x: int) -> int:
 '''
 
 
-def test_ppo_rolls_out_a_users_environment(chain, tmp_path, monkeypatch):
+def ledger_reward(asked: str) -> float:
+    """What the ledger of a prompt ending with reset's observation gives as its reward."""
+    return (len(asked.removesuffix(" (ledger open)")) % 5) / 4
+
+
+def run_with_ledger(chain, tmp_path, monkeypatch, stage: str, *overrides: str):
+    """The stage, 2 steps, with the user's Ledger environment from the working folder (imported from there, as
+    reward functions are) and its get_reward() a reward beside the reward model's; checks what every online stage
+    logs of its episodes and returns (cfg, path, out_dir)."""
     (tmp_path / "ledger_env.py").write_text(LEDGER)
-    monkeypatch.chdir(tmp_path)  # imported from the working folder, as reward functions are
-    cfg, path = prepared(chain, tmp_path / "run", *PPO, "preference.max_steps=2", "preference.log_every=1",
+    monkeypatch.chdir(tmp_path)
+    cfg, path = prepared(chain, tmp_path / "run", *overrides, "preference.max_steps=2", "preference.log_every=1",
                          "preference.environment=ledger_env:Ledger", "preference.max_turns=3",
                          "preference.rewards=[{name: reward_model}, {name: environment, weight: 0.5}]")
-    manifest, out_dir, _ = run_stage(cfg, path, "ppo")
+    manifest, out_dir, _ = run_stage(cfg, path, stage)
     assert manifest["metrics"]["global_step"] == 2
     for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "rewards/environment"):
         assert len(logged(out_dir, key)) == 2, key
     assert logged(out_dir, "turns_per_episode") == [1, 1]  # no tools: one turn each (tool turns: test_rollout.py)
-    episodes = [json.loads(line) for line in (out_dir / "rollouts" / "step-00000002.jsonl").read_text().splitlines()]
+    return cfg, path, out_dir
+
+
+def episodes_of(out_dir, step: int) -> list[dict]:
+    lines = (out_dir / "rollouts" / f"step-{step:08d}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_ppo_rolls_out_a_users_environment(chain, tmp_path, monkeypatch):
+    cfg, path, out_dir = run_with_ledger(chain, tmp_path, monkeypatch, "ppo", *PPO)
+    episodes = episodes_of(out_dir, 2)
     assert len(episodes) == 4  # rank 0's prompts of the step
     for e in episodes:
         asked = e["messages"][0]["content"]
         assert asked.endswith(" (ledger open)")  # reset's observation, appended to the prompt
-        expected = (len(asked.removesuffix(" (ledger open)")) % 5) / 4
-        assert e["rewards"]["environment"] == pytest.approx(expected)  # its get_reward(), the episode's own
+        assert e["rewards"]["environment"] == pytest.approx(ledger_reward(asked))  # its get_reward(), its own
         assert e["policy_tokens"] >= 1 and e["ended"] in ("answer", "truncated", "max_turns", "max_length")
         assert e["messages"][-1]["role"] == "assistant"
 
     # the held-out prompts through the same environment, for the SFT model and the policy
     report, eval_dir, _ = run_stage(cfg, path, "eval-ppo")
     rows = [json.loads(line) for line in (eval_dir / "answers.jsonl").read_text().splitlines()]
-    expected = [(len(r["prompt"][-1]["content"]) % 5) / 4 for r in rows]  # each held-out ledger's own reward
+    expected = [ledger_reward(r["prompt"][-1]["content"]) for r in rows]  # each held-out ledger's own reward
     for key in ("accuracy/environment", "sft_accuracy/environment"):
         assert report["metrics"][key] == pytest.approx(sum(expected) / len(rows), abs=1e-6), key
     for r in rows:
@@ -74,29 +91,19 @@ def test_ppo_rolls_out_a_users_environment(chain, tmp_path, monkeypatch):
 
 
 def test_grpo_rolls_out_a_users_environment_through_trls_rollout_hook(chain, tmp_path, monkeypatch):
-    (tmp_path / "ledger_env.py").write_text(LEDGER)
-    monkeypatch.chdir(tmp_path)
-    cfg, path = prepared(chain, tmp_path / "run", "preference.algorithm=grpo", "distributed.zero_stage=2",
-                         "preference.max_steps=2", "preference.log_every=1", "preference.grpo.ptx_coef=0",
-                         "preference.environment=ledger_env:Ledger", "preference.max_turns=3",
-                         "preference.rewards=[{name: reward_model}, {name: environment, weight: 0.5}]")
-    manifest, out_dir, _ = run_stage(cfg, path, "grpo")
-    assert manifest["metrics"]["global_step"] == 2
-    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "rewards/environment"):
-        assert len(logged(out_dir, key)) == 2, key
-    assert logged(out_dir, "turns_per_episode") == [1, 1]
+    _, _, out_dir = run_with_ledger(chain, tmp_path, monkeypatch, "grpo", "preference.algorithm=grpo",
+                                    "distributed.zero_stage=2", "preference.grpo.ptx_coef=0")
     total = logged(out_dir, "reward_mean")  # TRL's weighed sum, with the environment's reward in it
     parts = [m + 0.5 * e for m, e in zip(logged(out_dir, "rewards/reward_model"),
                                          logged(out_dir, "rewards/environment"))]
     assert total == pytest.approx(parts, abs=1e-4)
     for step in (1, 2):
-        lines = (out_dir / "rollouts" / f"step-{step:08d}.jsonl").read_text().splitlines()
-        episodes = [json.loads(line) for line in lines]
+        episodes = episodes_of(out_dir, step)
         assert episodes
         for e in episodes:
             asked = e["messages"][0]["content"]
             assert asked.endswith(" (ledger open)")
-            assert e["rewards"]["environment"] == pytest.approx((len(asked.removesuffix(" (ledger open)")) % 5) / 4)
+            assert e["rewards"]["environment"] == pytest.approx(ledger_reward(asked))
             assert e["reward"] == pytest.approx(e["rewards"]["reward_model"] + 0.5 * e["rewards"]["environment"])
             assert e["policy_tokens"] >= 1 and e["messages"][-1]["role"] == "assistant"
 
