@@ -150,10 +150,6 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
     from gptforge.model.rollout.calls import format_of
     from gptforge.model.rollout.tools import Setup
 
-    key = "preference.environment" if pc.environment else "preference.tools"
-    if "rloo" in steps:  # TRL 1.16's RLOOTrainer: one mask for attention, loss and KL, and no rollout hook
-        raise ConfigError(f"{key}: rloo does not roll out with tools yet (ppo and grpo do); run one of them, or "
-                          f"leave {key} unset for rloo")
     Setup.load(pc.environment, pc.tools, pc.tool_timeout_s)
     if cfg.sft.chat_template:
         format_of(cfg.sft.chat_template, "sft.chat_template")

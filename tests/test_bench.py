@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, SMALL
-from tests.helpers import FAST, UPSTREAM, copy_store
+from tests.helpers import FAST, UPSTREAM, copy_store, logged, run_stage
 
 pytestmark = pytest.mark.slow
 # The session chain's settings (its stages reused from its store), one process and a few steps for what a bench adds.
@@ -144,22 +144,101 @@ def test_demo_seeds_and_rlvr_benches(chain, tmp_path):
     assert re.search(r"  ppo: +[\d.]+ ± nan  gain over SFT", out), out
 
 
-def test_agentic_bench(tmp_path):
+@pytest.fixture(scope="module")
+def agentic(tmp_path_factory) -> tuple[Path, str]:
     """bench/agentic.py shrunk, one seed: its own corpus, tool-use demonstrations and problems; SFT learns to call
     the tool from the demonstrations, GRPO and PPO roll out with it, and both evaluations answer through it (the
-    learning over 3 seeds is bench/RESULTS.md's)."""
+    learning over 3 seeds is bench/RESULTS.md's). Its root (seed0.yaml, the store) and its output."""
+    root = tmp_path_factory.mktemp("agentic")
     shrunk = [*FAST, "distributed.nproc_per_node=1", "sft.max_steps=150", "sft.lr=2e-3", "preference.max_steps=2",
               "eval.items=16"]
-    out = bench("agentic.py", "--seeds", "0", "--root", str(tmp_path), "--documents", "1500", "--calls", "400",
-                "--problems", "200", "--demonstrations", "600", *sets(shrunk))
+    return root, bench("agentic.py", "--seeds", "0", "--root", str(root), "--documents", "1500", "--calls", "400",
+                       "--problems", "200", "--demonstrations", "600", *sets(shrunk))
+
+
+def test_agentic_bench(agentic):
+    root, out = agentic
     calls = re.search(r"  sft: +([\d.]+) ± nan  \(tool calls per episode ([\d.]+) ± nan\)", out)
     assert calls and float(calls.group(2)) > 0.5, out  # the SFT model calls the tool
     for algo in ("grpo", "ppo"):
         assert re.search(rf"  {algo}: +[\d.]+ ± nan  gain over SFT [+-][\d.]+ ± nan points.*tool calls per episode "
                          r"[\d.]+ ± nan", out), out
-    trajectory = next((tmp_path / "store" / "grpo").glob("*/rollouts/step-00000002.jsonl"))
+    trajectory = next((root / "store" / "grpo").glob("*/rollouts/step-00000002.jsonl"))
     episode = json.loads(trajectory.read_text().splitlines()[0])
     assert episode["tool_tokens"] > 0 and any(m["role"] == "tool" for m in episode["messages"])
+
+
+FLAKY = '''
+import time
+
+
+class Flaky:
+    """The bench's add(a, b) in an environment: of the episodes a process starts, one in three has it raise and one
+    in three stall past the stage's tool timeout; get_reward() is 1 once a call returned the sum."""
+
+    started = 0
+
+    def reset(self, **row):
+        Flaky.started += 1
+        self.mode, self.returned = Flaky.started % 3, False
+
+    def add(self, a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        if self.mode == 1:
+            raise ValueError("the adder is out of order")
+        if self.mode == 2:
+            time.sleep(5)
+            return 0
+        self.returned = True
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.returned)
+'''
+
+
+def test_a_users_environment_whose_tool_raises_and_stalls_through_ppo_grpo_and_rloo(agentic, monkeypatch):
+    """The bench's SFT model (the one that calls the tool) rolls out through a user's environment class from the
+    working folder, under PPO, GRPO and RLOO: a call that raises and one that passes preference.tool_timeout_s are
+    the tool's error messages to the model (the timeout's, longer, leaves the 128-position model no room for another
+    turn: the episode ends there), the stages train to their end, and get_reward() is a reward (0 for an environment
+    still stuck in a call)."""
+    from gptforge.core.config import dump_config, load_config
+
+    root, _ = agentic
+    (root / "flaky_env.py").write_text(FLAKY)
+    monkeypatch.chdir(root)  # the stages import flaky_env from their working folder
+    cfg = load_config(str(root / "seed0.yaml"), [
+        "preference.tools=[]", "preference.environment=flaky_env:Flaky", "preference.tool_timeout_s=1",
+        "preference.rewards=[{name: exact_match}, {name: environment}]", "preference.log_every=1",
+        "preference.algorithm=[ppo,grpo,rloo]", "preference.rloo.max_new_tokens=40", "preference.rloo.ptx_coef=0"])
+    path = root / "flaky.yaml"
+    path.write_text(dump_config(cfg))
+    for stage in ("ppo", "grpo", "rloo"):
+        manifest, out_dir, _ = run_stage(cfg, path, stage)
+        assert manifest["metrics"]["global_step"] == 2, stage
+        episodes = [json.loads(line) for step in (1, 2)
+                    for line in (out_dir / "rollouts" / f"step-{step:08d}.jsonl").read_text().splitlines()]
+        errors = [c["error"] for e in episodes for c in e["tool_calls"] if c["error"]]
+        assert any(x == "ValueError: the adder is out of order" for x in errors), (stage, errors)
+        assert any(x.startswith("TimeoutError: add did not return within 1 s") for x in errors), (stage, errors)
+        for e in episodes:
+            calls = [c for c in e["tool_calls"] if c["name"] == "add"]
+            # 1 once add returned; 0 where it raised, and where the environment is still stuck in a call (its
+            # get_reward() not called: the environment reward is 0 where there is none)
+            assert e["rewards"]["environment"] == float(any(c["result"] is not None for c in calls)), (stage, e)
+            results = [m["content"] for m in e["messages"] if m["role"] == "tool"]
+            for c in calls:  # each call's outcome is the tool turn the model read next, where it fits the positions
+                outcome = f"error: {c['error']}" if c["error"] else c["result"]
+                assert outcome in results or e["ended"] == "max_length", (stage, e)
+        assert any(m["content"] == "error: ValueError: the adder is out of order" and e["ended"] == "answer"
+                   for e in episodes for m in e["messages"]), stage  # read, and answered after
+        assert sum(logged(out_dir, "tool_errors")) == len(errors), stage
 
 
 @pytest.mark.skipif(not BROWSER, reason="needs chromium and chromium-driver (apt) and selenium (.[browser])")

@@ -9,5 +9,6 @@ calls none or `max_turns` or the length budget is reached.
   JSON);
 - `episode`: the multi-turn loop, token-exact: the ids trained are the ids sampled, the tokens between turns are
   added as the template renders them, and the mask covers exactly the policy's own tokens;
-- `online`: the same episodes inside TRL's GRPOTrainer (its `rollout_func` hook), so that PPO and GRPO share them.
+- `online`: the same episodes inside TRL's GRPOTrainer (its `rollout_func` hook) and RLOOTrainer, so that PPO, GRPO
+  and RLOO share them.
 """

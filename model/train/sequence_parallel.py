@@ -226,7 +226,12 @@ def trainer(trainer_cls, policy, dist, rows: int, stage: str):
             if cuda is not None:
                 torch.cuda.set_rng_state(cuda)
             with sp.whole_sequences():
-                return self._from_first_rank(super()._generate(prompts))
+                out = super()._generate(prompts)
+            # with what a trainer keeps of the generation beside it (the rollout room's masks)
+            out, extras = self._from_first_rank((out, getattr(self, "_generation_extras", None)))
+            if extras is not None:
+                self._generation_extras = extras
+            return out
 
         def _prepare_inputs(self, generation_batch):
             before = getattr(self, "_buffered_inputs", None)

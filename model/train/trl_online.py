@@ -3,8 +3,8 @@ rewarded by preference.rewards (gptforge.model.eval.rewards: the reward model, c
 the user's functions or a reward server) on the online prompts (data.prompts), with an optional ptx term (the
 chosen responses' loss), sequence parallelism where set, our metrics, checkpoints, guard and resume. The two
 algorithms differ only in their advantage (the group's mean against the leave-one-out mean), which is TRL's; each
-stage names its trainer and its own arguments. With tools (preference.environment, preference.tools), GRPO's
-rollouts are episodes of gptforge.model.rollout (its `online` module).
+stage names its trainer and its own arguments. With tools (preference.environment, preference.tools), the
+rollouts of both are episodes of gptforge.model.rollout (its `online` module).
 """
 
 from __future__ import annotations

@@ -203,14 +203,16 @@ def test_tools_need_hints_and_docstrings_and_templates_must_render_tools():
     assert Toolbox(None, {}, 1).call("x", {}).error.startswith("LookupError")
 
 
-def test_grpo_trains_the_sampled_ids_of_a_three_turn_episode_with_the_tool_turns_masked(tokenizers, tmp_path,
-                                                                                          monkeypatch):
-    """The hand-off to TRL (gptforge.model.rollout.online): TRL's GRPOTrainer, in this process on the CPU, takes
-    the episodes' ids and masks as they are; its loss mask is exactly the policy's tokens; the rewards read the
+@pytest.mark.parametrize("algorithm", ["GRPO", "RLOO"])
+def test_trls_trainers_train_the_sampled_ids_of_a_three_turn_episode_with_the_tool_turns_masked(
+        algorithm, tokenizers, tmp_path, monkeypatch):
+    """The hand-off to TRL (gptforge.model.rollout.online): TRL's GRPOTrainer and RLOOTrainer, in this process on
+    the CPU, take the episodes' ids and masks as they are; the loss mask is exactly the policy's tokens (RLOO: its
+    sequence log-probability, which its ratio and its KL penalty sum, is over them alone); the rewards read the
     last turn, the trajectory and the environment's reward; the loss is finite."""
     import torch
+    import trl
     from transformers import AutoModelForCausalLM, Qwen2Config
-    from trl import GRPOConfig, GRPOTrainer
 
     from gptforge.core.config import PreferenceSection
     from gptforge.model.rollout import online
@@ -242,9 +244,11 @@ def test_grpo_trains_the_sampled_ids_of_a_three_turn_episode_with_the_tool_turns
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=4096, eos_token_id=eot, pad_token_id=tok.pad_token_id))
     pc = PreferenceSection(max_turns=3, max_length=4096, log_every=1)
-    cls = online.agent_trainer(GRPOTrainer, Setup(Ledger, [], 5), "hermes", pc, pc.grpo, tmp_path / "rollouts")
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=2,
-                      num_generations=2, max_completion_length=64, report_to=[], beta=0.0, logging_steps=1)
+    cls = online.agent_trainer(getattr(trl, f"{algorithm}Trainer"), Setup(Ledger, [], 5), "hermes", pc, pc.grpo,
+                               tmp_path / "rollouts")
+    args = getattr(trl, f"{algorithm}Config")(output_dir=str(tmp_path / "out"), use_cpu=True,
+                                              per_device_train_batch_size=2, num_generations=2,
+                                              max_completion_length=64, report_to=[], beta=0.0, logging_steps=1)
     row = {"prompt": [{"role": "user", "content": "Add 3, then 10; say the total."}], "start": 2}
     from datasets import Dataset
 
@@ -258,9 +262,20 @@ def test_grpo_trains_the_sampled_ids_of_a_three_turn_episode_with_the_tool_turns
     for b, e in enumerate(episodes):
         n = len(e.ids)
         assert batch["completion_ids"][b, :n].tolist() == e.ids  # the ids trained are the episode's, as sampled
-        trained = (batch["completion_mask"] * batch["tool_mask"])[b]
+        trained = (batch["completion_mask"] * batch["tool_mask" if algorithm == "GRPO" else "env_mask"])[b]
         assert trained[:n].tolist() == e.mask and int(trained[n:].sum()) == 0  # the loss mask: the policy's tokens
         assert [i for i, m in zip(e.ids, e.mask) if m] == [i for turn in sampled[b::2] for i in turn]
+        assert batch["completion_mask"][b, :n].tolist() == [1] * n  # attention sees the tool results
+    if algorithm == "RLOO":  # the sequence log-probability: the policy's tokens, not the tool results between them
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids, attention_mask=torch.cat([batch["prompt_mask"],
+                                                                              batch["completion_mask"]], 1)).logits
+        P = batch["prompt_ids"].size(1)
+        per_token = logits[:, P - 1:-1].log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+        policy = (per_token * batch["env_mask"]).sum(1)
+        assert batch["old_logps"].tolist() == pytest.approx(policy.tolist(), rel=1e-5)  # float32 sums of ~100 terms
+        assert (per_token * batch["completion_mask"]).sum(1).tolist() != pytest.approx(policy.tolist(), rel=1e-2)
     assert [m["role"] for m in seen["completions"][0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert seen["messages"][0][0]["content"].endswith("(the ledger starts at 2)")
     assert seen["environment_reward"] == [1.0, 1.0]  # 2 + 3 + 10: get_reward() of each episode's own ledger

@@ -90,9 +90,10 @@ def test_ppo_rolls_out_a_users_environment(chain, tmp_path, monkeypatch):
     assert report["metrics"]["tool_calls_per_episode"] == 0  # no tools: each episode one turn
 
 
-def test_grpo_rolls_out_a_users_environment_through_trls_rollout_hook(chain, tmp_path, monkeypatch):
-    _, _, out_dir = run_with_ledger(chain, tmp_path, monkeypatch, "grpo", "preference.algorithm=grpo",
-                                    "distributed.zero_stage=2", "preference.grpo.ptx_coef=0")
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_trls_trainers_roll_out_a_users_environment(algorithm, chain, tmp_path, monkeypatch):
+    _, _, out_dir = run_with_ledger(chain, tmp_path, monkeypatch, algorithm, f"preference.algorithm={algorithm}",
+                                    "distributed.zero_stage=2", f"preference.{algorithm}.ptx_coef=0")
     total = logged(out_dir, "reward_mean")  # TRL's weighed sum, with the environment's reward in it
     parts = [m + 0.5 * e for m, e in zip(logged(out_dir, "rewards/reward_model"),
                                          logged(out_dir, "rewards/environment"))]
@@ -117,8 +118,6 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
         (["preference.tools=[ledger_env:undocumented]"], "preference.tools: tool undocumented: Cannot generate JSON "
                                                           "schema for undocumented because it has no docstring"),
         (["preference.max_turns=0"], "preference.max_turns: Input should be greater than or equal to 1"),
-        (["preference.algorithm=rloo", "preference.environment=ledger_env:Ledger"],
-         "preference.environment: rloo does not roll out with tools yet (ppo and grpo do)"),
         (["preference.rewards=[{name: environment}]"], "preference.rewards names environment but "
                                                         "preference.environment is not set"),
     ]
