@@ -146,23 +146,28 @@ def test_demo_seeds_and_rlvr_benches(chain, tmp_path):
 
 @pytest.fixture(scope="module")
 def agentic(tmp_path_factory) -> tuple[Path, str]:
-    """bench/agentic.py shrunk, one seed: its own corpus, tool-use demonstrations and problems; SFT learns to call
-    the tool from the demonstrations, GRPO and PPO roll out with it, and both evaluations answer through it (the
-    learning over 3 seeds is bench/RESULTS.md's). Its root (seed0.yaml, the store) and its output."""
+    """bench/agentic.py shrunk to one seed that still learns (about 2 minutes): its own corpus, 2,000 tool-use
+    demonstrations (60% flawed) and 1,000 problems (50 held out); SFT learns to call the tool, GRPO and PPO roll out
+    with it for 100 steps, rewarded by exact match alone, and both evaluations answer through it (3 seeds at the
+    bench's own size: bench/RESULTS.md). Its root (seed0.yaml, the store) and its output."""
     root = tmp_path_factory.mktemp("agentic")
-    shrunk = [*FAST, "distributed.nproc_per_node=1", "sft.max_steps=150", "sft.lr=2e-3", "preference.max_steps=2",
-              "eval.items=16"]
+    shrunk = [*FAST, "distributed.nproc_per_node=1", "pretrain.max_steps=100", "sft.max_steps=400", "sft.lr=2e-3",
+              "sft.global_batch_size=32", "sft.micro_batch_size=16", "sft.save_every=200", "preference.max_steps=100",
+              "preference.global_batch_size=16", "preference.save_every=50", "eval.items=64"]
     return root, bench("agentic.py", "--seeds", "0", "--root", str(root), "--documents", "1500", "--calls", "400",
-                       "--problems", "200", "--demonstrations", "600", *sets(shrunk))
+                       "--problems", "1000", "--demonstrations", "2000", *sets(shrunk))
 
 
 def test_agentic_bench(agentic):
+    """One seed within the suite: the SFT model calls the tool but copies the demonstrations' slip; GRPO and PPO,
+    rewarded by the outcome alone, raise held-out accuracy with the tool over it."""
     root, out = agentic
-    calls = re.search(r"  sft: +([\d.]+) ± nan  \(tool calls per episode ([\d.]+) ± nan\)", out)
-    assert calls and float(calls.group(2)) > 0.5, out  # the SFT model calls the tool
+    accuracy = {a: float(re.search(rf"  {a}: +([\d.]+) ± nan", out).group(1)) for a in ("sft", "grpo", "ppo")}
+    calls = re.search(r"  sft: +[\d.]+ ± nan  \(tool calls per episode ([\d.]+) ± nan\)", out)
+    assert calls and float(calls.group(1)) > 0.9, out  # the SFT model calls the tool
     for algo in ("grpo", "ppo"):
-        assert re.search(rf"  {algo}: +[\d.]+ ± nan  gain over SFT [+-][\d.]+ ± nan points.*tool calls per episode "
-                         r"[\d.]+ ± nan", out), out
+        assert accuracy[algo] >= accuracy["sft"] + 0.1, out  # 5 of the 50 held-out problems at least
+        assert re.search(rf"  {algo}: .*tool calls per episode [\d.]+ ± nan", out), out
     trajectory = next((root / "store" / "grpo").glob("*/rollouts/step-00000002.jsonl"))
     episode = json.loads(trajectory.read_text().splitlines()[0])
     assert episode["tool_tokens"] > 0 and any(m["role"] == "tool" for m in episode["messages"])
@@ -216,7 +221,8 @@ def test_a_users_environment_whose_tool_raises_and_stalls_through_ppo_grpo_and_r
     cfg = load_config(str(root / "seed0.yaml"), [
         "preference.tools=[]", "preference.environment=flaky_env:Flaky", "preference.tool_timeout_s=1",
         "preference.rewards=[{name: exact_match}, {name: environment}]", "preference.log_every=1",
-        "preference.algorithm=[ppo,grpo,rloo]", "preference.rloo.max_new_tokens=40", "preference.rloo.ptx_coef=0"])
+        "preference.algorithm=[ppo,grpo,rloo]", "preference.rloo.max_new_tokens=40", "preference.rloo.ptx_coef=0",
+        "preference.max_steps=2", "preference.global_batch_size=8"])
     path = root / "flaky.yaml"
     path.write_text(dump_config(cfg))
     for stage in ("ppo", "grpo", "rloo"):
