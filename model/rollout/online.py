@@ -108,14 +108,18 @@ def agent_trainer(trainer_cls, agent: Setup, fmt: str, pc, oc, folder: Path):
             return tuple(out)
 
     class RLOOAgentTrainer(Rollouts):
-        _policy_mask = None  # (B, C) while a trajectory's log-probabilities are taken: 1 on the policy's tokens
+        _loss_mask = None  # the batch's env_mask while its loss is taken
 
         def _tokenize_prompts(self, prompts: list):
+            import torch
+            from torch.nn.utils.rnn import pad_sequence
+
             episodes = self._roll_out(prompts)
             for row, e in zip(self._rows, episodes, strict=True):  # extra columns for the rewards, as GRPO's
                 row["messages"], row["environment_reward"] = e.messages, e.toolbox.reward()
-            # what generation leaves for scoring; a sequence-parallel group takes its first rank's
-            self._generation_extras = {"env_mask": [e.mask for e in episodes]}
+            # the policy's mask (B, longest episode), kept for scoring; a sequence-parallel group takes its first rank's
+            masks = [torch.tensor(e.mask, dtype=torch.long) for e in episodes]
+            self._generation_extras = {"env_mask": pad_sequence(masks, batch_first=True, padding_value=0)}
             return [e.prompt_ids for e in episodes], None, {}
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
@@ -126,37 +130,24 @@ def agent_trainer(trainer_cls, agent: Setup, fmt: str, pc, oc, folder: Path):
             return prompt_ids, completion_ids, self._turns(prompts)
 
         def _generate_and_score_completions(self, inputs):
-            self._policy_mask = "generation"  # the old and the reference log-probabilities of these episodes
-            try:
-                out = super()._generate_and_score_completions(inputs)
-            finally:
-                self._policy_mask = None
-            out["env_mask"] = pad_to(self._generation_mask(), out["completion_ids"].size(1))
+            out = super()._generate_and_score_completions(inputs)
+            out["env_mask"] = pad_to(self._generation_extras["env_mask"], out["completion_ids"].size(1))
             return out
 
-        def _generation_mask(self):
-            """The policy's mask of the episodes generated last, (B, longest)."""
-            import torch
-            from torch.nn.utils.rnn import pad_sequence
-
-            masks = [torch.tensor(m, dtype=torch.long) for m in self._generation_extras["env_mask"]]
-            return pad_sequence(masks, batch_first=True, padding_value=0)
-
         def _compute_loss(self, model, inputs):
-            self._policy_mask = inputs["env_mask"]
+            self._loss_mask = inputs["env_mask"]
             try:
                 return super()._compute_loss(model, inputs)
             finally:
-                self._policy_mask = None
+                self._loss_mask = None
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
                                                **kwargs):
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-            mask = self._generation_mask() if isinstance(self._policy_mask, str) else self._policy_mask
-            if mask is not None:
-                logps = logps * pad_to(mask, logps.size(1)).to(logps.device, logps.dtype)
-            return logps, entropies, aux
+            # RLOO takes log-probabilities twice: of the episodes generated last (old and reference), and in the loss
+            mask = self._generation_extras["env_mask"] if self._loss_mask is None else self._loss_mask
+            return logps * pad_to(mask, logps.size(1)).to(logps.device, logps.dtype), entropies, aux
 
     if "rollout_func" in inspect.signature(trainer_cls.__init__).parameters:
         return GRPOAgentTrainer
@@ -164,7 +155,7 @@ def agent_trainer(trainer_cls, agent: Setup, fmt: str, pc, oc, folder: Path):
 
 
 def pad_to(mask, width: int):
-    """`mask` (B, C) right-padded with zeros (or cut) to (B, width)."""
+    """`mask` (B, C) right-padded with zeros to (B, width), width >= C (the batch's completions, padded)."""
     import torch.nn.functional as F
 
-    return F.pad(mask, (0, width - mask.size(1))) if mask.size(1) < width else mask[:, :width]
+    return F.pad(mask, (0, width - mask.size(1)))
