@@ -40,11 +40,13 @@ from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model.eval import rewards
-from gptforge.model.eval.generation import (check_same_vocabulary, generate_ids, id_sampler, policy_and_judge,
-                                            reward_scores, same_vocabulary, stop_ids)
+from gptforge.model.eval.generation import (check_same_vocabulary, policy_and_judge, reward_scores, same_vocabulary,
+                                            stop_ids)
 from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.episode import rollouts, tensors, write_trajectories
+from gptforge.model.rollout.episode import Agent, write_trajectories
+from gptforge.model.rollout.offpolicy import mismatch, token_weights
 from gptforge.model.rollout.tools import Setup
+from gptforge.model.rollout.workers import rollout_source
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.train.guard import StepGuard
 from gptforge.model.train.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
@@ -56,31 +58,6 @@ from gptforge.model.train.tiling import logit_tiles, token_logprobs
 from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
 from gptforge.stages.entry import exit_process, main
 
-
-
-@torch.no_grad()
-def rollout(actor, tokenizer, prompts, oc, device, synced: bool):
-    """Sample one response per prompt (the sampling settings of the online section `oc`). Returns sequences
-    (B, P+R), attention (B, P+R), the response mask (B, R: 1 up to and including the first stop token) and the
-    prompt length P."""
-    out, attention, stops = generate_ids(actor, tokenizer, prompts, synced, do_sample=True, temperature=oc.temperature,
-                                         top_k=oc.top_k, top_p=oc.top_p, max_new_tokens=oc.max_new_tokens)
-    P = attention.shape[1]
-    response = out[:, P:]
-    is_stop = torch.isin(response, torch.tensor(list(stops), device=device))
-    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0  # strictly after the first stop token
-    resp_mask = (~after_stop).long()
-    return out, torch.cat([attention, resp_mask], 1), resp_mask, P
-
-
-def agent_rollout(actor, tokenizer, agent: Setup, fmt: str, rows: list[dict], pc, device, synced: bool):
-    """One episode a prompt row, the policy sampling each turn (the online section's sampling settings), the ranks
-    in step under ZeRO-3."""
-    oc = pc.ppo
-    sample = id_sampler(actor, tokenizer.pad_token_id, oc.max_new_tokens, synced, do_sample=True,
-                        temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p)
-    everyone = (lambda any_open: all_sum([float(any_open)], device)[0] > 0) if synced else None
-    return rollouts(agent, sample, tokenizer, rows, fmt, pc.max_turns, pc.max_length, stop_ids(actor), everyone)
 
 
 def episode_metrics(episodes, device) -> dict:
@@ -140,7 +117,7 @@ def all_finite(device, *tensors) -> bool:
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    pc, oc, dist = cfg.preference, cfg.preference.ppo, cfg.distributed
+    pc, oc, rc, dist = cfg.preference, cfg.preference.ppo, cfg.preference.rollout, cfg.distributed
     rank, world, device = setup_distributed(cfg.distributed)
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     # the critic reads the policy's tokens: the reward model where it shares their vocabulary, else a new head
@@ -153,8 +130,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     scoring, items = rewards.for_stage(cfg, tokenizer, per_rank * world)
     prompts, answers = [it["prompt"] for it in items], [it["answer"] for it in items]
     columns = rewards.columns_of(items)
-    agent = Setup.load(pc.environment, pc.tools, pc.tool_timeout_s) if pc.environment or pc.tools else None
-    fmt = format_of(tokenizer.chat_template, str(sft_dir)) if agent else None
+    agent = agent_spec = None
+    if pc.environment or pc.tools:
+        agent_spec = {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
+                      "fmt": format_of(tokenizer.chat_template, str(sft_dir)), "max_turns": pc.max_turns,
+                      "max_length": pc.max_length}
+        agent = Agent(Setup.load(pc.environment, pc.tools, pc.tool_timeout_s), agent_spec["fmt"], pc.max_turns,
+                      pc.max_length)
     ptx_rows = (ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
                            oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world, cfg.run.seed)
                 if oc.ptx_coef else None)  # an update: one minibatch
@@ -199,100 +181,120 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         order.load_state_dict(state["loader"])
         guard.load_state_dict(state.get("guard"))
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
+    synced = dist.zero_stage == 3
+    everyone = (lambda any_open: all_sum([float(any_open)], device)[0] > 0) if synced else None
+    source = rollout_source(cfg, oc, actor_engine.module, sft_dir, tokenizer, agent, agent_spec,
+                            lambda ids: ([prompts[i] for i in ids], [items[i] for i in ids]), rank, world, synced,
+                            everyone, stop_ids(actor), out_dir / "logs")
+    try:
+        source.load_state((state or {}).get("rank_state", {}).get("rollouts"), actor_engine.module)
 
-    bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
-    throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
-    rows = max(pc.micro_batch_size, per_rank)  # scoring takes a rank's rollouts at once, training a micro-batch
-    tiles = logit_tiles(dist, rows, pc.max_length if agent else oc.max_new_tokens, len(tokenizer))  # responses
-    while step < pc.max_steps:
-        step += 1
-        ids = guard.next(order.next_ids)
-        batch = [prompts[i] for i in ids]
-        t0 = time.perf_counter()
-        if agent is None:
-            seqs, attention, mask, P = rollout(actor_engine.module, tokenizer, batch, oc, device, dist.zero_stage == 3)
-            episodes = None
-        else:
-            episodes = agent_rollout(actor_engine.module, tokenizer, agent, fmt, [items[i] for i in ids], pc, device,
-                                     dist.zero_stage == 3)
-            seqs, attention, mask, P = (t.to(device) if torch.is_tensor(t) else t
-                                        for t in tensors(episodes, tokenizer.pad_token_id))
-        gen_seconds = time.perf_counter() - t0
-        with torch.no_grad():
-            old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P, tiles=tiles)
-            with as_reference(actor_engine, ref) as reference:
-                ref_logp, _ = policy_logprobs(reference, seqs, attention, P, tiles=tiles)
-            old_values = critic_values(critic_engine, seqs, attention, P)
-            cols = {k: [v[i] for i in ids] for k, v in columns.items()}
-            if episodes is None:
-                texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip()
-                         for r, m in zip(seqs[:, P:], mask)]
-            else:  # the last turn; the whole trajectory and the environment's own reward beside it
-                texts = [e.response.strip() for e in episodes]
-                cols |= {"messages": [e.messages for e in episodes],
-                         "environment_reward": [e.toolbox.reward() for e in episodes]}
-            total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids], cols, judge)
-            score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/train/guard.py)
-            per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
-            advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)
-            advantages = whiten(advantages, mask.float())
-        stats = dict.fromkeys(stat_names, 0.0)
-        finite = all_finite(device, score, advantages)
-        for epoch in range(oc.ppo_epochs if finite else 0):
-            for k, mb in enumerate(torch.arange(per_rank).split(pc.micro_batch_size)):
-                m = mask[mb].float()
-                logp, entropy, aux = policy_logprobs(actor_engine, seqs[mb], attention[mb], P, aux=True, tiles=tiles)
-                pg_loss, clip_frac = ppo_policy_loss(logp, old_logp[mb], advantages[mb], m, oc.cliprange)
-                values = critic_values(critic_engine, seqs[mb], attention[mb], P)
-                v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, oc.cliprange_value)
-                ptx_loss = torch.zeros((), device=device)
-                if ptx_rows is not None:  # PPO-ptx: the update's own rows of the chosen responses
-                    x, a, y = ptx_rows.batch((step - 1) * updates + epoch * minibatches + k)
-                    ptx_loss = causal_lm_loss(actor_engine(input_ids=x.to(device), attention_mask=a.to(device)).logits,
-                                              y.to(device))
-                if not all_finite(device, pg_loss, v_loss, ptx_loss):
-                    finite = False
+        bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
+        throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
+        rows = max(pc.micro_batch_size, per_rank)  # scoring takes a rank's rollouts at once, training a micro-batch
+        tiles = logit_tiles(dist, rows, pc.max_length if agent else oc.max_new_tokens, len(tokenizer))  # responses
+        while step < pc.max_steps:
+            step += 1
+            t0 = time.perf_counter()
+            ids, sampled = source.next(lambda: guard.next(order.next_ids), step)
+            batch = [prompts[i] for i in ids]
+            sampled = sampled.to(device)
+            seqs, attention, mask, P, episodes = sampled.seqs, sampled.attention, sampled.mask, sampled.P, \
+                sampled.episodes
+            gen_seconds, trained_from = time.perf_counter() - t0, time.time()
+            staleness = source.version - sampled.version
+            with torch.no_grad():
+                old_logp, _ = policy_logprobs(actor_engine, seqs, attention, P, tiles=tiles)
+                weights = token_weights(old_logp, sampled.logprobs, rc)
+                drift = {k: all_mean(v, device) for k, v in mismatch(old_logp, sampled.logprobs, mask, rc).items()}
+                with as_reference(actor_engine, ref) as reference:
+                    ref_logp, _ = policy_logprobs(reference, seqs, attention, P, tiles=tiles)
+                old_values = critic_values(critic_engine, seqs, attention, P)
+                cols = {k: [v[i] for i in ids] for k, v in columns.items()}
+                if episodes is None:
+                    texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True).strip()
+                             for r, m in zip(seqs[:, P:], mask)]
+                else:  # the last turn; the whole trajectory and the environment's own reward beside it
+                    texts = [e.response.strip() for e in episodes]
+                    cols |= {"messages": [e.messages for e in episodes],
+                             "environment_reward": [e.toolbox.reward() for e in episodes]}
+                total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids], cols, judge)
+                score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/train/guard.py)
+                per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
+                advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)
+                advantages = whiten(advantages, mask.float())
+            stats = dict.fromkeys(stat_names, 0.0)
+            finite = all_finite(device, score, advantages)
+            drifted = rc.max_mismatch is not None and drift["mismatch/kl"] > rc.max_mismatch
+            for epoch in range(oc.ppo_epochs if finite and not drifted else 0):
+                for k, mb in enumerate(torch.arange(per_rank).split(pc.micro_batch_size)):
+                    m = mask[mb].float()
+                    logp, entropy, aux = policy_logprobs(actor_engine, seqs[mb], attention[mb], P, aux=True,
+                                                         tiles=tiles)
+                    pg_loss, clip_frac = ppo_policy_loss(logp, old_logp[mb], advantages[mb], m, oc.cliprange,
+                                                         None if weights is None else weights[mb])
+                    values = critic_values(critic_engine, seqs[mb], attention[mb], P)
+                    v_loss = ppo_value_loss(values, old_values[mb], returns[mb], m, oc.cliprange_value)
+                    ptx_loss = torch.zeros((), device=device)
+                    if ptx_rows is not None:  # PPO-ptx: the update's own rows of the chosen responses
+                        x, a, y = ptx_rows.batch((step - 1) * updates + epoch * minibatches + k)
+                        ptx_loss = causal_lm_loss(actor_engine(input_ids=x.to(device),
+                                                               attention_mask=a.to(device)).logits, y.to(device))
+                    if not all_finite(device, pg_loss, v_loss, ptx_loss):
+                        finite = False
+                        break
+                    actor_engine.backward(pg_loss + oc.ptx_coef * ptx_loss + (0 if aux is None else aux))
+                    guard.step(actor_engine)  # a non-finite gradient norm: DeepSpeed drops that update
+                    critic_engine.backward(v_loss)
+                    guard.step(critic_engine)
+                    values_of = [pg_loss, v_loss, clip_frac, masked_mean(entropy, m)] + (
+                        [ptx_loss] if ptx_rows is not None else []) + ([aux / moe] if moe else [])
+                    for name, v in zip(stat_names, values_of):
+                        stats[name] += v.item() / updates
+                if not finite:
                     break
-                actor_engine.backward(pg_loss + oc.ptx_coef * ptx_loss + (0 if aux is None else aux))
-                guard.step(actor_engine)  # a non-finite gradient norm: DeepSpeed drops that update
-                critic_engine.backward(v_loss)
-                guard.step(critic_engine)
-                values_of = [pg_loss, v_loss, clip_frac, masked_mean(entropy, m)] + (
-                    [ptx_loss] if ptx_rows is not None else []) + ([aux / moe] if moe else [])
-                for name, v in zip(stat_names, values_of):
-                    stats[name] += v.item() / updates
-            if not finite:
-                break
-        guard.verdict = None if finite else "reward, advantage or loss NaN/Inf"
-        outcome = guard.settle(step)
-        if outcome == "rollback":  # actor, critic and KL coefficient from the newest checkpoint; prompts go on
-            state = guard.rollback(engines, out_dir / "checkpoints", step)
-            step, kl_ctl.value = state["step"], state["kl_coef"]
-        elif outcome == "skip":
-            step -= 1  # the step is taken again on the prompts that follow
-        if outcome != "ok":
-            bar.n = step
-            continue
-        throughput.step(time.perf_counter() - t0, int(attention.sum()))
-        kl_token = masked_mean(kl_per_token(old_logp, ref_logp), mask.float()).item()
-        kl = all_mean(kl_token * mask.sum(1).float().mean().item(), device)  # nats per response
-        kl_ctl.update(kl, per_rank * world)
-        bar.update(1)
-        if step % pc.log_every == 0 or step == pc.max_steps:
-            each_mean = {f"rewards/{k}": all_mean(sum(v) / len(v), device) for k, v in each.items()}
-            log.log(step, reward_mean=all_mean(score.mean().item(), device), **each_mean,
-                    reward_std=all_mean(score.std().item(), device), kl=kl, kl_per_token=all_mean(kl_token, device),
-                    kl_coef=kl_ctl.value,
-                    response_length=all_mean(mask.sum(1).float().mean().item(), device),
-                    gen_tokens_per_sec=all_mean(mask.sum().item() / gen_seconds, device) * world,
-                    tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],
-                    grad_norm=grad_norm(actor_engine), bad_steps=guard.bad_steps,
-                    **{k: all_mean(v, device) for k, v in stats.items()}, **episode_metrics(episodes, device))
-            if episodes is not None and rank == 0:
-                write_trajectories(out_dir / "rollouts", step, episodes, total, each)
-        if step % pc.save_every == 0 and step < pc.max_steps:
-            save_step(engines, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
-                      "kl_coef": kl_ctl.value, "guard": guard.state_dict()}, rank, world, pc.keep_last)
+            guard.verdict = None if finite and not drifted else "reward, advantage or loss NaN/Inf" if not finite \
+                else (f"the rollouts' mismatch, KL {drift['mismatch/kl']:.4g} a token, is over "
+                      f"preference.rollout.max_mismatch ({rc.max_mismatch:g})")
+            outcome = guard.settle(step)
+            if outcome == "rollback":  # actor, critic and KL coefficient from the newest checkpoint; prompts go on
+                state = guard.rollback(engines, out_dir / "checkpoints", step)
+                step, kl_ctl.value = state["step"], state["kl_coef"]
+                source.load_state(state.get("rank_state", {}).get("rollouts"), actor_engine.module)
+            else:  # the weights the next rollouts are sampled with (a skipped step may have taken some updates)
+                source.updated(actor_engine.module)
+            source.timeline.span("trainer", "train", trained_from, time.time(), step)
+            if outcome == "skip":
+                step -= 1  # the step is taken again on the prompts that follow
+            if outcome != "ok":
+                bar.n = step
+                continue
+            throughput.step(time.perf_counter() - t0, int(attention.sum()))
+            kl_token = masked_mean(kl_per_token(old_logp, ref_logp), mask.float()).item()
+            kl = all_mean(kl_token * mask.sum(1).float().mean().item(), device)  # nats per response
+            kl_ctl.update(kl, per_rank * world)
+            bar.update(1)
+            if step % pc.log_every == 0 or step == pc.max_steps:
+                each_mean = {f"rewards/{k}": all_mean(sum(v) / len(v), device) for k, v in each.items()}
+                log.log(step, reward_mean=all_mean(score.mean().item(), device), **each_mean,
+                        reward_std=all_mean(score.std().item(), device), kl=kl,
+                        kl_per_token=all_mean(kl_token, device),
+                        kl_coef=kl_ctl.value, **drift, **{"rollout/staleness": staleness,
+                                                          "rollout/version": sampled.version},
+                        response_length=all_mean(mask.sum(1).float().mean().item(), device),
+                        gen_tokens_per_sec=all_mean(mask.sum().item() / gen_seconds, device) * world,
+                        tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],
+                        rollout_wait_s=all_mean(gen_seconds, device),
+                        grad_norm=grad_norm(actor_engine), bad_steps=guard.bad_steps,
+                        **{k: all_mean(v, device) for k, v in stats.items()}, **episode_metrics(episodes, device))
+                if episodes is not None and rank == 0:
+                    write_trajectories(out_dir / "rollouts", step, episodes, total, each)
+            if step % pc.save_every == 0 and step < pc.max_steps:
+                save_step(engines, out_dir / "checkpoints", step, {"step": step, "loader": order.state_dict(),
+                          "kl_coef": kl_ctl.value, "guard": guard.state_dict()}, rank, world, pc.keep_last,
+                          {"rollouts": source.state()})
+    finally:
+        source.close()
     bar.close()
     log.close()
 

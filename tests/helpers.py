@@ -92,8 +92,9 @@ def run_stage(cfg, path, stage):
     return manifest, locate(cfg, stage)[0], "\n".join(lines)
 
 
-def kill_after_checkpoint(cfg, path, stage, step: int) -> Path:
-    """Start the stage, SIGKILL its whole process group once step `step` is checkpointed."""
+def kill_after_checkpoint(cfg, path, stage, step: int, sessions: list | None = None) -> Path:
+    """Start the stage, SIGKILL its whole process group once step `step` is checkpointed (its session id, the
+    launcher's pid, appended to `sessions`)."""
     out_dir = locate(cfg, stage)[0]
     marker = out_dir / "checkpoints" / f"step-{step:08d}" / "complete.json"
     log = Path(path).with_name(f"{stage}-killed.log")
@@ -105,6 +106,8 @@ def kill_after_checkpoint(cfg, path, stage, step: int) -> Path:
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        if sessions is not None:
+            sessions.append(proc.pid)
     assert read_manifest(out_dir) is None
     return out_dir
 

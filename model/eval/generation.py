@@ -37,22 +37,41 @@ def generate_ids(model, tokenizer, prompts: list[list[dict]], synced: bool = Fal
     return out, attention.to(device), stops
 
 
-def id_sampler(model, pad_id: int, max_new_tokens: int, synced: bool = False, **sampling):
+class Turn(list):
+    """A continuation's ids, as sampled; `logprobs` beside them where the sampler kept them (else None)."""
+
+    logprobs: list[float] | None = None
+
+    @classmethod
+    def of(cls, ids: list[int], logprobs: list[float] | None) -> Turn:
+        turn = cls(ids)
+        turn.logprobs = logprobs
+        return turn
+
+
+def id_sampler(model, pad_id: int, max_new_tokens: int, synced: bool = False, logprobs: bool = False, **sampling):
     """sample(sequences, budgets) for gptforge.model.rollout.episode: token id sequences, left-padded, through
     `model.generate` with the KV cache; each continuation cut after its first stop token, at most its budget and
     `max_new_tokens` long. One generate call samples as many tokens for every row, so the rows whose budget is
     below the batch's (the context nearly full) are sampled in calls of their own, each at most its rows' budget:
     a row never runs past the positions the budgets leave it (a model's learned positions end there). Under
     `synced` (ZeRO-3: the ranks generate in step) every rank makes two calls, the rows that may take the batch's
-    tokens and the others at the least of their budgets, a dummy row where a rank has none."""
+    tokens and the others at the least of their budgets, a dummy row where a rank has none. With `logprobs`, each
+    continuation is a Turn holding the log-probability of each sampled token under the
+    model's raw logits."""
     device, stops = next(model.parameters()).device, stop_ids(model)
 
-    def call(rows: list[list[int]], new: int) -> list[list[int]]:
+    def call(rows: list[list[int]], new: int) -> tuple[list[list[int]], list[list[float]] | None]:
         ids, attention = left_pad(rows, pad_id)
         out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), pad_token_id=pad_id,
                              eos_token_id=list(stops), use_cache=True, synced_gpus=synced, max_new_tokens=new,
-                             **sampling, **no_router_loss(model))
-        return out[:, ids.shape[1]:].tolist()
+                             output_logits=logprobs, return_dict_in_generate=logprobs, **sampling,
+                             **no_router_loss(model))
+        if not logprobs:
+            return out[:, ids.shape[1]:].tolist(), None
+        drawn = out.sequences[:, ids.shape[1]:]
+        logits = torch.stack(out.logits, 1).float()  # (B, new, V): the raw logits that each token was drawn from
+        return drawn.tolist(), torch.log_softmax(logits, -1).gather(-1, drawn[..., None])[..., 0].tolist()
 
     @torch.no_grad()
     def sample(sequences: list[list[int]], budgets: list[int]) -> list[list[int]]:
@@ -66,10 +85,11 @@ def id_sampler(model, pad_id: int, max_new_tokens: int, synced: bool = False, **
         turns: list[list[int]] = [[] for _ in sequences]
         for n, rows in groups.items():
             n = n if n > 0 else max(1, min((budgets[i] for i in rows), default=1))
-            drawn = call([sequences[i] for i in rows] or [sequences[0][:1]], n)
-            for i, row in zip(rows, drawn):
+            drawn, logps = call([sequences[i] for i in rows] or [sequences[0][:1]], n)
+            for j, (i, row) in enumerate(zip(rows, drawn)):
                 cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
-                turns[i] = row[:max(1, min(cut, budgets[i]))]
+                keep = max(1, min(cut, budgets[i]))
+                turns[i] = Turn.of(row[:keep], logps[j][:keep]) if logprobs else row[:keep]
         return turns
 
     return sample

@@ -47,7 +47,8 @@ class Episode:
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)  # after the prompt: the turns and the tokens between them
     mask: list[int] = field(default_factory=list)  # 1 on the tokens the policy sampled
-    toolbox: Toolbox | None = None
+    logprobs: list[float] = field(default_factory=list)  # each token's log-probability when sampled (0 off the mask)
+    toolbox: Toolbox | Finished | None = None
     turns: int = 0
     ended: str = ""  # answer (a turn without calls), max_turns, max_length, or truncated (a turn cut by the budget)
 
@@ -65,12 +66,32 @@ class Episode:
     def tool_errors(self) -> int:
         return sum(1 for c in self.calls if c.error)
 
+    def finished(self) -> Episode:
+        """The episode without its live environment, to travel between processes: its calls and its environment's
+        `get_reward()`, taken now, kept (gptforge.model.rollout.workers)."""
+        box = self.toolbox
+        kept = None if box is None else Finished(list(box.calls), box.reward(), box.schemas)
+        return Episode(self.messages, self.prompt_ids, self.ids, self.mask, self.logprobs, kept, self.turns, self.ended)
+
     def record(self) -> dict:
         """The episode as a trajectory file row."""
         return {"messages": self.messages, "turns": self.turns, "ended": self.ended,
                 "tool_calls": [vars(c) for c in self.calls], "tool_errors": self.tool_errors,
                 "prompt_tokens": len(self.prompt_ids), "policy_tokens": sum(self.mask),
                 "tool_tokens": len(self.mask) - sum(self.mask)}
+
+
+@dataclass
+class Finished:
+    """A finished episode's environment, as a worker returns it: what its toolbox recorded, `reward()` as computed
+    when the episode ended."""
+
+    calls: list[Call]
+    value: float | None
+    schemas: list[dict]
+
+    def reward(self) -> float | None:
+        return self.value
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
@@ -135,6 +156,7 @@ def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, 
         for e, turn in zip(open_, turns, strict=True):
             e.ids += turn
             e.mask += [1] * len(turn)
+            e.logprobs += getattr(turn, "logprobs", None) or [0.0] * len(turn)
             e.turns += 1
             stopped = bool(turn) and turn[-1] in stop_ids
             parsed = parse(tokenizer.decode(turn, skip_special_tokens=True), fmt)
@@ -154,6 +176,7 @@ def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, 
                 e.messages += results
                 e.ids += between
                 e.mask += [0] * len(between)
+                e.logprobs += [0.0] * len(between)
                 still.append(e)
         open_ = still
     return episodes
@@ -186,6 +209,17 @@ def tensors(episodes: list[Episode], pad_id: int):
         attention[b, P - p:P + n] = 1
         mask[b, :n] = torch.tensor(e.mask, dtype=torch.long)
     return seqs, attention, mask, P
+
+
+def sampled_logprobs(episodes: list[Episode]):
+    """The log-probabilities the episodes' tokens were sampled with, in `tensors`' layout (B, R), 0 off the mask."""
+    import torch
+
+    R = max(1, max(len(e.ids) for e in episodes))
+    out = torch.zeros((len(episodes), R))
+    for b, e in enumerate(episodes):
+        out[b, :len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float)
+    return out
 
 
 def write_trajectories(folder: Path, step: int, episodes, total: list[float], each: dict) -> None:

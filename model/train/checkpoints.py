@@ -129,10 +129,10 @@ def without_frozen_weights(engine):
 
 
 def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, rank: int, world: int,
-              keep_last: int) -> None:
+              keep_last: int, rank_state: dict | None = None) -> None:
     """A step checkpoint: each DeepSpeed engine's weights, optimizer and scheduler shards under step-N/<name>/,
-    the client state, and this rank's RNG states; marked complete once all ranks have written, then the oldest
-    pruned."""
+    the client state, this rank's RNG states and its own `rank_state` (plain data: the rollouts in flight of
+    gptforge.model.rollout.workers); marked complete once all ranks have written, then the oldest pruned."""
     d = ckpt_root / tag_of(step)
     try:
         for name, engine in engines.items():
@@ -140,6 +140,8 @@ def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, ran
             with without_frozen_weights(engine):
                 engine.save_checkpoint(str(d), tag=name, client_state=client_state, exclude_frozen_parameters=True)
         torch.save(rng_state(), d / f"rng-rank{rank}.pt")
+        if rank_state is not None:
+            torch.save(rank_state, d / f"state-rank{rank}.pt")
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(d, ignore_errors=True)  # never marked complete: the previous checkpoint stays the newest
         full = isinstance(e, RuntimeError) and "write" in str(e) and shutil.disk_usage(ckpt_root).free < 1 << 30
@@ -233,6 +235,10 @@ def resume(engines: dict, ckpt: Path | None, elastic: bool, rank: int, world: in
                                                      load_module_strict=not frozen)
         if (ckpt / f"rng-rank{rank}.pt").is_file():
             set_rng_state(torch.load(ckpt / f"rng-rank{rank}.pt"))
+        # this rank's own state (save_step's rank_state): not where another number of processes wrote it
+        if not elastic and (ckpt / f"state-rank{rank}.pt").is_file():
+            client_state = {**client_state, "rank_state": torch.load(ckpt / f"state-rank{rank}.pt",
+                                                                      weights_only=True)}
     if rank == 0:
         how = f" (written by {json.loads((ckpt / COMPLETE).read_text())['world']} processes, now {world})" \
             if elastic else ""

@@ -82,13 +82,15 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                    clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate: mean of max(-A*r, -A*clip(r, 1-eps, 1+eps)), r = exp(logp - old_logp).
-    Returns the loss and the fraction of tokens where the clipped term was taken."""
+                    clip: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate: mean of max(-A*r, -A*clip(r, 1-eps, 1+eps)), r = exp(logp - old_logp), each token's term
+    times its off-policy weight where given (gptforge.model.rollout.offpolicy). Returns the loss and the fraction
+    of tokens where the clipped term was taken."""
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip, 1 + clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_mean(per_token if weights is None else per_token * weights, mask)
     clip_frac = masked_mean((clipped > unclipped).float(), mask)
     return loss, clip_frac
 

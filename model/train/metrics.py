@@ -62,6 +62,16 @@ NAMES = {
     "clip_frac": "share of response tokens where the clipped policy ratio was taken",
     "ptx_loss": "loss of the preference pairs' chosen responses (PPO-ptx)",
     "gen_tokens_per_sec": "response tokens sampled per second (all processes)",
+    "rollout/staleness": "updates the weights that sampled the step's rollouts were behind the trainer's",
+    "rollout/version": "the version (updates behind them) of the weights that sampled the step's rollouts",
+    "rollout_wait_s": "seconds the trainer spent getting the step's rollouts: sampling them (sync) or waiting (async)",
+    "mismatch/logp_abs_diff": "mean |log pi_train - log pi_sampling| over the rollouts' policy tokens",
+    "mismatch/kl": "KL(sampling policy || trainer's) per policy token (k3 estimate); preference.rollout.max_mismatch",
+    "mismatch/ratio_p05": "5th percentile of pi_train / pi_sampling over the policy tokens",
+    "mismatch/ratio_p50": "median of pi_train / pi_sampling over the policy tokens",
+    "mismatch/ratio_p95": "95th percentile of pi_train / pi_sampling over the policy tokens",
+    "mismatch/capped": "share of policy tokens whose ratio preference.rollout.tis_cap capped",
+    "mismatch/masked": "share of policy tokens outside preference.rollout.icepop_band, left out of the loss",
     "bad_steps": "steps skipped: NaN/Inf loss, reward or gradient norm, or a loss spike (model/train/guard.py)",
     "rollbacks": "returns to the newest valid checkpoint after max_bad_steps bad steps in a row",
     # held-out evaluation of a finished output
@@ -128,7 +138,7 @@ TRL_NAMES = {
 }
 # Measures of how a run went (speed, memory) rather than of what it computed: they differ between two runs that
 # computed the same thing.
-MEASURED = {"tokens_per_sec", "gen_tokens_per_sec", "mfu", "peak_host_memory_gib", "peak_device_memory_gib"}
+MEASURED = {"tokens_per_sec", "gen_tokens_per_sec", "rollout_wait_s", "mfu", "peak_host_memory_gib", "peak_device_memory_gib"}
 WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilation, allocator warm-up)
 
 

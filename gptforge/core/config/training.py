@@ -158,6 +158,35 @@ class RLOOSection(OnlineSection):
     num_generations: int = Setting(4, ge=2, description="Completions per prompt.")
 
 
+class RolloutSection(Section):
+    """Where the online stages' rollouts are generated, and how the loss corrects for the policy they were sampled
+    with (gptforge.model.rollout.engine, workers, offpolicy; docs/rollouts.md)."""
+
+    mode: Literal["sync", "async"] = Setting("sync", description="sync: the training processes generate between "
+                                             "updates; async: rollout workers generate the next batches meanwhile.")
+    max_staleness: int = Setting(1, ge=0, description="async: updates the weights a batch was sampled with may be "
+                                 "behind the trainer's when it trains on it (0: none; the same samples as sync).")
+    workers: int = Setting(1, ge=1, same_result=True, description="async: rollout worker processes (Ray actors, one "
+                           "engine each); each serves the batches of every workers-th training process.")
+    engine: str = Setting("hf", description="What generates: hf (transformers' generate) or a package.module:Class "
+                          "on the seam of gptforge.model.rollout.engine (docs/rollouts.md).")
+    correction: Literal["none", "tis", "icepop"] = Setting("none", description="Off-policy correction of the policy "
+                                                           "loss: truncated importance sampling, IcePop's band, none.")
+    tis_cap: float = Setting(2.0, gt=0, description="tis: the cap of each token's ratio pi_train / pi_sampling.")
+    icepop_band: tuple[float, float] = Setting((0.5, 2.0), description="icepop: tokens whose ratio pi_train / "
+                                               "pi_sampling is outside [low, high] leave the loss.")
+    max_mismatch: float | None = Setting(None, gt=0, description="A step whose KL from the sampling policy to the "
+                                         "trainer's, per token, is over this is a bad step (None: logged only).")
+
+    @model_validator(mode="after")
+    def _band(self):
+        low, high = self.icepop_band
+        if not 0 <= low < 1 < high:
+            raise ValueError(f"preference.rollout.icepop_band {list(self.icepop_band)}: give [low, high] with "
+                             "0 <= low < 1 < high")
+        return self
+
+
 class PreferenceSection(TrainSection):
     """What every preference algorithm shares; each algorithm's own fields are in its sub-section."""
 
@@ -191,6 +220,8 @@ class PreferenceSection(TrainSection):
     ppo: PPOSection = Setting(default_factory=PPOSection, description="PPO's own settings.")
     grpo: GRPOSection = Setting(default_factory=GRPOSection, description="GRPO's own settings.")
     rloo: RLOOSection = Setting(default_factory=RLOOSection, description="RLOO's own settings.")
+    rollout: RolloutSection = Setting(default_factory=RolloutSection, description="Where PPO's, GRPO's and RLOO's "
+                                      "rollouts are generated (sync or async), and their off-policy correction.")
 
     def algorithms(self) -> list[str]:
         return [self.algorithm] if isinstance(self.algorithm, str) else list(self.algorithm)

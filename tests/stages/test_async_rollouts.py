@@ -1,0 +1,95 @@
+"""Rollouts apart from training (preference.rollout, gptforge.model.rollout.workers): our PPO on 2 processes with a
+rollout worker, a Ray actor, sampling while the trainer trains. At max_staleness 0 it samples and trains exactly
+what the in-process (sync) run does; at 1 each batch is one update old, and a run killed after a checkpoint
+resumes to the uninterrupted result."""
+
+import json
+import subprocess
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from gptforge.model.train.metrics import MEASURED
+from tests.conftest import PPO, once, shared_dir
+from tests.helpers import kill_after_checkpoint, logged, prepared, run_stage
+
+pytestmark = pytest.mark.slow
+
+ASYNC = [*PPO, "preference.rollout.mode=async"]
+
+
+@pytest.fixture(scope="module")
+def stale(chain, tmp_path_factory):
+    """PPO with one rollout worker at max_staleness 1: (manifest, out_dir, output, cfg, path)."""
+    def build():
+        cfg, path = prepared(chain, shared_dir(tmp_path_factory, "ppo-async"), *ASYNC,
+                             "preference.rollout.max_staleness=1")
+        return (*run_stage(cfg, path, "ppo"), cfg, path)
+
+    return once(tmp_path_factory, "ppo-async", build)
+
+
+def weights(out_dir):
+    return load_file(out_dir / "model" / "model.safetensors")
+
+
+def spans(out_dir):
+    return [json.loads(line) for line in (out_dir / "logs" / "timeline.jsonl").read_text().splitlines()]
+
+
+def test_async_at_staleness_0_samples_and_trains_exactly_what_sync_does(chain, ppo, tmp_path):
+    cfg, path = prepared(chain, tmp_path, *ASYNC, "preference.rollout.max_staleness=0")
+    _, out_dir, _ = run_stage(cfg, path, "ppo")
+    for key in ("reward_mean", "reward_std", "policy_loss", "value_loss", "kl", "response_length"):
+        assert logged(out_dir, key) == logged(ppo[1], key), key  # the same samples, the same updates: bit for bit
+    sync, moved = weights(ppo[1]), weights(out_dir)
+    assert all((sync[k] == moved[k]).all() for k in sync)
+    assert logged(out_dir, "rollout/staleness") == [0] * 6
+    assert logged(out_dir, "rollout/version") == [0, 1, 2, 3, 4, 5]
+    generated = [s for s in spans(out_dir) if s["what"] == "generate"]
+    assert {s["who"] for s in generated} == {"worker-0"} and len(generated) == 6  # sampled by the worker alone
+    assert {s["who"] for s in spans(ppo[1]) if s["what"] == "generate"} == {"trainer"}
+
+
+def test_async_at_staleness_1_trains_each_batch_one_update_old_and_measures_the_mismatch(stale, ppo):
+    _, out_dir, _, _, _ = stale
+    assert logged(out_dir, "rollout/staleness") == [0, 1, 1, 1, 1, 1]  # the first batch: the SFT weights, fresh
+    assert logged(out_dir, "rollout/version") == [0, 0, 1, 2, 3, 4]
+    kl = logged(out_dir, "mismatch/kl")
+    assert kl[0] == 0 and all(k > 0 for k in kl[1:])  # stale samples: the trainer's policy moved since
+    assert all(k == 0 for k in logged(ppo[1], "mismatch/kl"))  # sync: the same module sampled and scored
+    # batch n+1 was sampled while step n trained: the worker's span starts before the trainer's train span ends
+    s = spans(out_dir)
+    train = {x["step"]: x for x in s if x["what"] == "train"}
+    ahead = [x for x in s if x["what"] == "generate" and x["step"] > 1]
+    assert ahead and all(x["start"] < train[x["step"] - 1]["end"] for x in ahead)
+
+
+def test_an_async_run_killed_after_its_checkpoint_resumes_to_the_uninterrupted_result(chain, stale, tmp_path):
+    """SIGKILL after step 4's checkpoint, which kept the batch in flight (step 5's, sampled with version 3):
+    the rerun trains on it and ends on the uninterrupted run's metrics and weights. The Ray actor, in a process
+    group of its own, ends with the raylet: nothing of the killed stage's session is left."""
+    manifest, done, _, _, _ = stale
+    cfg, path = prepared(chain, tmp_path, *ASYNC, "preference.rollout.max_staleness=1")
+    sessions = []
+    killed = kill_after_checkpoint(cfg, path, "ppo", 4, sessions)
+    deadline = time.time() + 30
+    while session_alive(sessions[0]) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not session_alive(sessions[0])
+    assert (killed / "checkpoints" / "step-00000004" / "state-rank1.pt").is_file()
+    again, out_dir, out = run_stage(cfg, path, "ppo")
+    assert f"[ppo] resumed from {killed / 'checkpoints' / 'step-00000004'}" in out
+    for key, value in manifest["metrics"].items():
+        if key not in MEASURED:
+            assert again["metrics"][key] == pytest.approx(value, abs=1e-6), key
+    for key in ("reward_mean", "policy_loss", "rollout/staleness", "rollout/version"):
+        assert logged(out_dir, key) == pytest.approx(logged(done, key)[-len(logged(out_dir, key)):], abs=1e-6), key
+    a, b = weights(done), weights(out_dir)
+    assert all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+
+
+def session_alive(sid: int) -> bool:
+    out = subprocess.run(["ps", "-eo", "sid="], capture_output=True, text=True).stdout.split()
+    return str(sid) in out
