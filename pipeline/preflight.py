@@ -63,6 +63,7 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rewards(cfg, selected, log)
     check_rollout(cfg, selected)
+    check_rollouts_apart(cfg, selected)
     CHECKED.add(key)
 
 
@@ -159,6 +160,35 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
         template = AutoTokenizer.from_pretrained(cfg.model.pretrained).chat_template
         if template:
             format_of(template, cfg.model.pretrained)
+
+
+def check_rollouts_apart(cfg: PipelineConfig, steps: list[str]) -> None:
+    """preference.rollout against the stages that read it: its engine imports and can do what the mode and the
+    correction ask (gptforge.model.rollout.engine.check), and rollout workers fit the layout: each serves at least
+    one training process's batches, and they run PPO's loop (GRPO and RLOO sample inside TRL's trainers, in
+    process)."""
+    rc, online = cfg.preference.rollout, [s for s in steps if s in ONLINE_ALGORITHMS]
+    if not online:
+        return
+    from gptforge.model.rollout.engine import check
+
+    check(rc)
+    apart = rc.mode == "async" or rc.engine != "hf"
+    if not apart:
+        return
+    for algo in online:
+        if algo != "ppo":
+            raise ConfigError(f"preference.rollout.mode={rc.mode} with engine {rc.engine} for {algo}: rollout workers "
+                              "serve PPO's loop; GRPO and RLOO sample inside TRL's trainers (set "
+                              "preference.rollout.mode=sync and engine=hf for them)")
+    if cfg.preference.lora.r:
+        raise ConfigError(f"preference.rollout.mode={rc.mode} with preference.lora.r={cfg.preference.lora.r}: the "
+                          "rollout workers take whole weights by name, not adapters; set preference.rollout.mode=sync")
+    world = data_parallel(cfg.distributed, "ppo")
+    if rc.workers > world:
+        raise ConfigError(f"preference.rollout.workers={rc.workers} is more than the layout allows: each worker "
+                          f"serves the batches of at least one of PPO's {world} training processes; set it to at "
+                          f"most {world}")
 
 
 def unreachable(url: str, timeout: float) -> str | None:

@@ -78,8 +78,9 @@ def stage_config(cfg: PipelineConfig, step: str) -> dict:
             out[path] = owner.model_dump(mode="json", include={leaf})[leaf]
             continue
         subs = tuple(p.rsplit(".", 1)[1] for p in declared if p.startswith(path + "."))
-        leave_out = (ALGORITHMS if subs else ()) + (REWARD_FIELDS if path == "preference" and step == "dpo" else ())
-        out[path.rsplit(".", 1)[-1]] = result_fields(section, leave_out=leave_out)  # DPO does not read the rewards
+        leave_out = (ALGORITHMS if subs else ()) + (  # DPO reads neither the rewards nor the rollouts
+            (*REWARD_FIELDS, "rollout") if path == "preference" and step == "dpo" else ())
+        out[path.rsplit(".", 1)[-1]] = result_fields(section, leave_out=leave_out)
     return {**out, "seed": cfg.run.seed} if STAGES[step].seeded else out
 
 

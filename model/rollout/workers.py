@@ -38,7 +38,7 @@ import json
 import os
 import time
 from collections import deque
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -125,7 +125,8 @@ class RolloutWorker:
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
             self.stops = set(eos if isinstance(eos, list) else [eos])
         self.agent = None
-        if agent_spec is not None:
+        if agent_spec is not None:  # the user's environment and tools, imported from the stage's working folder
+            os.chdir(agent_spec["cwd"])
             setup = Setup.load(agent_spec["environment"], agent_spec["tools"], agent_spec["timeout"])
             self.agent = Agent(setup, agent_spec["fmt"], agent_spec["max_turns"], agent_spec["max_length"])
 
@@ -169,7 +170,16 @@ class Workers:
         self.ray = ray
         cuda = torch.cuda.is_available()
         spare = self.spare_cores(rc.workers, world)
-        self.stack.enter_context(ray_instance(None, rc.workers))
+        free = []
+        if cuda:  # the workers take the GPUs of this node the training processes left, one each
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            free = list(range(local, torch.cuda.device_count()))
+            if rc.workers > len(free):
+                raise UserError(f"preference.rollout.workers={rc.workers} is more than the layout allows: this node "
+                                f"has {torch.cuda.device_count()} GPUs and {local} training processes; give the "
+                                "workers GPUs of their own (fewer processes a node, or fewer workers)")
+        with visible_devices(free) if cuda else ExitStack():  # what Ray's raylet, and so its actors, see
+            self.stack.enter_context(ray_instance(None, rc.workers))
         remote = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else 1, max_restarts=0)(RolloutWorker)
         self.actors = [remote.remote(i, str(model_dir), rc.engine, oc, agent_spec, torch.get_num_threads(),
                                      spare[i] if spare else None) for i in range(rc.workers)]
@@ -285,6 +295,22 @@ class Workers:
 
     def close(self) -> None:
         self.stack.close()
+
+
+@contextmanager
+def visible_devices(indices: list[int]):
+    """CUDA_VISIBLE_DEVICES set to `indices` of this process's devices while Ray starts (its raylet and actors
+    inherit it), then restored."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] for i in indices)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def rollout_source(cfg, oc, module, model_dir: Path, tokenizer, agent: Agent | None, agent_spec: dict | None, lookup,

@@ -44,3 +44,45 @@ def test_a_qlora_config_validates_on_a_cpu_head_node_and_fails_only_where_it_wou
     check_devices(sent, pipeline_steps(sent))  # the GPU pool's worker checks it, where the stage starts
     with pytest.raises(ConfigError, match=r"^sft.lora.quantize=4"):
         check_devices(sent, ["sft"], here=True)  # as gptforge.pipeline.launch asks on the worker that runs it
+
+
+class SamplesOnly:
+    """An engine on the seam of gptforge.model.rollout.engine that generates and can neither load weights nor give
+    the sampled log-probabilities (a frozen inference server)."""
+
+    loads_weights = False
+    logprobs = False
+
+    def generate(self, sequences, budgets, max_new_tokens, **sampling):
+        return [[0] for _ in sequences]
+
+    def load_weights(self, named):
+        raise NotImplementedError
+
+
+ONLINE = ["preference.algorithm=ppo"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["preference.rollout.max_staleness=-1"], "preference.rollout.max_staleness"),
+    (["preference.rollout.icepop_band=[1.5, 2]"], "preference.rollout.icepop_band [1.5, 2.0]: give [low, high]"),
+    (["preference.rollout.mode=async", "preference.rollout.engine=tests.pipeline.test_preflight:SamplesOnly"],
+     "preference.rollout.engine=tests.pipeline.test_preflight:SamplesOnly cannot load weights"),
+    (["preference.rollout.correction=tis", "preference.rollout.engine=tests.pipeline.test_preflight:SamplesOnly"],
+     "preference.rollout.correction=tis needs the sampled tokens' log-probabilities"),
+    (["preference.rollout.engine=tests.pipeline.test_preflight:Nowhere"],
+     "preference.rollout.engine=tests.pipeline.test_preflight:Nowhere: cannot import it"),
+    (["preference.rollout.mode=async", "preference.rollout.workers=3"],
+     "preference.rollout.workers=3 is more than the layout allows: each worker serves the batches of at least one "
+     "of PPO's 2 training processes"),
+    (["preference.rollout.mode=async", "preference.algorithm=grpo"],
+     "preference.rollout.mode=async with engine hf for grpo: rollout workers serve PPO's loop"),
+])
+def test_bad_rollout_settings_are_one_error_naming_the_key_before_anything_runs(overrides, says):
+    from gptforge.core.errors import UserError
+    from gptforge.pipeline.preflight import check_rollouts_apart
+
+    with pytest.raises(UserError) as e:
+        cfg = load_config(TINY, [*ONLINE, *overrides])
+        check_rollouts_apart(cfg, pipeline_steps(cfg))
+    assert says in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)

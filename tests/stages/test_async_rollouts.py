@@ -93,3 +93,15 @@ def test_an_async_run_killed_after_its_checkpoint_resumes_to_the_uninterrupted_r
 def session_alive(sid: int) -> bool:
     out = subprocess.run(["ps", "-eo", "sid="], capture_output=True, text=True).stdout.split()
     return str(sid) in out
+
+
+def test_async_rollouts_run_the_users_environment_in_the_worker(chain, tmp_path, monkeypatch):
+    """The user's environment (from the working folder) is reset and rewarded inside the rollout worker; its
+    episodes, stale by one update, come back with its get_reward()."""
+    from tests.stages.test_agents import episodes_of, ledger_reward, run_with_ledger
+
+    _, _, out_dir = run_with_ledger(chain, tmp_path, monkeypatch, "ppo", *ASYNC, "preference.rollout.max_staleness=1")
+    assert logged(out_dir, "rollout/staleness") == [0, 1]
+    for e in episodes_of(out_dir, 2):
+        asked = e["messages"][0]["content"]
+        assert asked.endswith(" (ledger open)") and e["rewards"]["environment"] == pytest.approx(ledger_reward(asked))
