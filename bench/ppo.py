@@ -25,7 +25,10 @@ from gptforge.model.train.engine import deepspeed_config, init_engine
 from gptforge.model.eval.generation import reward_scores
 from gptforge.model.train.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, whiten
 from gptforge.pipeline.store import locate, read_manifest
-from gptforge.stages.ppo import build_critic, critic_values, policy_logprobs, rollout
+from gptforge.model.eval.generation import stop_ids
+from gptforge.model.rollout.engine import HFEngine
+from gptforge.model.rollout.sampling import sample
+from gptforge.stages.ppo import build_critic, critic_values, policy_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,7 +90,9 @@ def main() -> None:
     critic_engine, _, _ = init_engine(build_critic(reward_dir / "model"), config, section, dist)
     ref = AutoModelForCausalLM.from_pretrained(sft_dir / "model").eval()
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir / "model").eval()
-    (seqs, attn, mask, P), t_gen = timed(lambda: rollout(actor_engine.module, tokenizer, prompts, oc, device, False))
+    engine = HFEngine(actor_engine.module, tokenizer.pad_token_id)
+    drawn, t_gen = timed(lambda: sample(engine, tokenizer, prompts, [], oc, None, stop_ids(actor_engine.module)))
+    seqs, attn, mask, P = drawn.seqs.to(device), drawn.attention.to(device), drawn.mask.to(device), drawn.P
 
     def score():
         with torch.no_grad():

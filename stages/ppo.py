@@ -119,7 +119,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     pc, oc, rc, dist = cfg.preference, cfg.preference.ppo, cfg.preference.rollout, cfg.distributed
-    rank, world, device = setup_distributed(cfg.distributed)
+    rank, world, device = setup_distributed(cfg.distributed, reserve=rc.workers if rc.mode == "async" else 0)
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     # the critic reads the policy's tokens: the reward model where it shares their vocabulary, else a new head
     critic_dir = model_dir(oc.critic, None, "preference.ppo.critic") if oc.critic else \

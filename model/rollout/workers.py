@@ -110,7 +110,7 @@ class RolloutWorker:
 
         if cores:
             os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(len(cores) if cores else threads)
         self.index, self.oc, self.version = index, oc, -1
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = self.tokenizer.pad_token_id
@@ -190,10 +190,10 @@ class Workers:
         them for each worker; else None (the workers share the node's cores)."""
         if torch.cuda.is_available():
             return None
-        taken = set(os.sched_getaffinity(0))
-        every = set(range(os.cpu_count() or 1))
+        taken = set(os.sched_getaffinity(0))  # this rank's; the other local ranks' follow it
+        every = sorted(os.sched_getaffinity(os.getppid()) if os.getppid() > 1 else range(os.cpu_count() or 1))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        free = sorted(every - taken) if local == 1 else []
+        free = [c for c in every if c > max(taken) + (local - 1) * len(taken)] if taken else []
         if len(free) < workers:
             return None
         share = len(free) // workers

@@ -21,12 +21,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
+def setup_distributed(dist=None, reserve: int = 0) -> tuple[int, int, torch.device]:
     """Join the process group the launcher set up (or make a group of one): (rank, world, device).
     On a machine without a GPU, DeepSpeed's CPU accelerator and gloo; cores shared among local ranks. The group's
     timeout is `dist.timeout_minutes` (the `distributed` section; 30 without one): a collective that a rank stops
     answering raises on the others after it (`hung_rank` names that rank), and NCCL's heartbeat monitor, which
-    ends a process whose watchdog is stuck, waits a minute longer."""
+    ends a process whose watchdog is stuck, waits a minute longer. `reserve`: cores of a CPU node the local ranks
+    leave to other processes (async rollout workers), where the node has enough for both."""
     cuda = torch.cuda.is_available()
     timeout = timedelta(minutes=dist.timeout_minutes if dist is not None else 30)
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout.total_seconds()) + 60))
@@ -50,6 +51,8 @@ def setup_distributed(dist=None) -> tuple[int, int, torch.device]:
     else:  # each local rank gets its own share of the cores, pinned: no oversubscription, no migration
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= local_world + reserve:
+            cpus = cpus[:len(cpus) - reserve]
         share = max(1, len(cpus) // local_world)
         if len(cpus) >= local_world:
             os.sched_setaffinity(0, cpus[local_rank * share:(local_rank + 1) * share])

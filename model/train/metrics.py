@@ -138,7 +138,8 @@ TRL_NAMES = {
 }
 # Measures of how a run went (speed, memory) rather than of what it computed: they differ between two runs that
 # computed the same thing.
-MEASURED = {"tokens_per_sec", "gen_tokens_per_sec", "rollout_wait_s", "mfu", "peak_host_memory_gib", "peak_device_memory_gib"}
+MEASURED = {"tokens_per_sec", "gen_tokens_per_sec", "rollout_wait_s", "mfu", "peak_host_memory_gib",
+            "peak_device_memory_gib"}
 WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilation, allocator warm-up)
 
 

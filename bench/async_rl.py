@@ -1,0 +1,109 @@
+"""Rollouts apart from training: PPO on the demo, sync (the training process samples between updates) against
+async (one rollout worker samples the next batch while the trainer trains, max_staleness 1), in one run, with the
+same settings and samples per step, over several seeds.
+
+    .venv/bin/python bench/async_rl.py [-c configs/tiny.yaml] [--seeds 0 1 2] [--root runs/async_rl]
+                                       [--new-tokens 8] [--steps 200] [--set k=v ...]
+
+Reported: the step time of each (the mean time between the ends of consecutive updates, the first step left
+out), their ratio sync / async, the held-out exact match of each policy (mean ± standard error over the seeds),
+and a timeline of seed 0's last steps (`timeline.png` in the root): when the trainer samples, waits and trains,
+and when the worker samples. Both use the whole machine: sync's one training process takes every core, async's
+takes all but one, which its worker takes (gptforge.model.train.distributed's `reserve`).
+
+GRPO and RLOO sample inside TRL's trainers and take no rollout worker yet: the bench runs PPO alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_seeds import mean_se, run_seed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"sync": ["preference.rollout.mode=sync"],
+         "async": ["preference.rollout.mode=async", "preference.rollout.max_staleness=1",
+                   "preference.rollout.workers=1"]}
+
+
+def step_time(timeline: list[dict]) -> float:
+    """Mean seconds between the ends of consecutive updates, the first step (start-up) left out."""
+    ends = sorted(s["end"] for s in timeline if s["who"] == "trainer" and s["what"] == "train")
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def plot(timelines: dict[str, list[dict]], path: Path, last: int = 4) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"generate": "tab:orange", "wait": "tab:gray", "train": "tab:blue"}
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.4 + 1.1 * len(timelines)), squeeze=False)
+    for ax, (mode, timeline) in zip(axes[:, 0], timelines.items()):
+        steps = sorted({s["step"] for s in timeline})[-last:]
+        shown = [s for s in timeline if s["step"] in steps]
+        t0 = min(s["start"] for s in shown)
+        rows = sorted({s["who"] for s in shown}, key=lambda w: (w != "trainer", w))
+        for s in shown:
+            y = rows.index(s["who"])
+            ax.barh(y, s["end"] - s["start"], left=s["start"] - t0, color=colors[s["what"]], edgecolor="black",
+                    linewidth=0.3)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_title(f"{mode}: steps {steps[0]}-{steps[-1]}", fontsize=9)
+        ax.invert_yaxis()
+    axes[-1, 0].set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny.yaml"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--root", type=Path, default=ROOT / "runs" / "async_rl")
+    parser.add_argument("--new-tokens", type=int, default=None, help="preference.ppo.max_new_tokens")
+    parser.add_argument("--steps", type=int, default=None, help="preference.max_steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    common = [*args.set, "preference.algorithm=ppo", "distributed.nproc_per_node=1"]
+    common += [f"preference.ppo.max_new_tokens={args.new_tokens}"] if args.new_tokens else []
+    common += [f"preference.max_steps={args.steps}"] if args.steps else []
+    from gptforge.core.config import load_config
+    from gptforge.pipeline.store import locate
+
+    results: dict[str, dict[str, list[float]]] = {m: {"step_s": [], "exact_match": []} for m in MODES}
+    timelines = {}
+    for seed in args.seeds:
+        for mode, extra in MODES.items():  # one store: the stages before PPO computed once a seed
+            root = args.root
+            metrics = run_seed(args.config, root, seed, [*common, *extra])
+            cfg = load_config(str(root / f"seed{seed}.yaml"))
+            folder = locate(cfg, "ppo")[0]
+            timeline = [json.loads(line) for line in (folder / "logs" / "timeline.jsonl").read_text().splitlines()]
+            results[mode]["step_s"].append(step_time(timeline))
+            results[mode]["exact_match"].append(metrics["eval-ppo"]["exact_match"])
+            if seed == args.seeds[0]:
+                timelines[mode] = timeline
+    plot(timelines, args.root / "timeline.png")
+    ratios = [s / a for s, a in zip(results["sync"]["step_s"], results["async"]["step_s"])]
+    print(f"PPO on the demo, sync against async (max_staleness 1, one worker), seeds {args.seeds}, "
+          f"{' '.join(common)}")
+    print("| mode | step time (s) | held-out exact match |")
+    print("|---|---|---|")
+    for mode in MODES:
+        print(f"| {mode} | {mean_se(results[mode]['step_s'])} | {mean_se(results[mode]['exact_match'])} |")
+    print(f"step time sync / async: {statistics.mean(ratios):.2f}x (per seed: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}); timeline: {args.root / 'timeline.png'}")
+    return {"ratio": statistics.mean(ratios), **{f"{m}_{k}": v for m, r in results.items() for k, v in r.items()}}
+
+
+if __name__ == "__main__":
+    main()
