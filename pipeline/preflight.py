@@ -165,8 +165,8 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
 def check_rollouts_apart(cfg: PipelineConfig, steps: list[str]) -> None:
     """preference.rollout against the stages that read it: its engine imports and can do what the mode and the
     correction ask (gptforge.model.rollout.engine.check), and rollout workers fit the layout: each serves at least
-    one training process's batches, and they run PPO's loop (GRPO and RLOO sample inside TRL's trainers, in
-    process)."""
+    one training process's batches, and GRPO's and RLOO's (inside TRL's trainers) follow no sequence-parallel
+    group."""
     rc, online = cfg.preference.rollout, [s for s in steps if s in ONLINE_ALGORITHMS]
     if not online:
         return
@@ -177,17 +177,20 @@ def check_rollouts_apart(cfg: PipelineConfig, steps: list[str]) -> None:
     if not apart:
         return
     for algo in online:
-        if algo != "ppo":
-            raise ConfigError(f"preference.rollout.mode={rc.mode} with engine {rc.engine} for {algo}: rollout workers "
-                              "serve PPO's loop; GRPO and RLOO sample inside TRL's trainers (set "
-                              "preference.rollout.mode=sync and engine=hf for them)")
+        if algo != "ppo" and rc.mode == "sync":
+            raise ConfigError(f"preference.rollout.engine={rc.engine} in sync mode for {algo}: TRL's trainer samples "
+                              "with its own policy there; give preference.rollout.mode=async to sample with the engine")
+        if algo != "ppo" and cfg.distributed.sequence_parallel > 1:
+            raise ConfigError(f"preference.rollout.mode=async for {algo} with distributed.sequence_parallel="
+                              f"{cfg.distributed.sequence_parallel}: a sequence-parallel group shares one rank's "
+                              "rollouts, which the workers' batches a process do not follow; set one of them off")
     if cfg.preference.lora.r:
         raise ConfigError(f"preference.rollout.mode={rc.mode} with preference.lora.r={cfg.preference.lora.r}: the "
                           "rollout workers take whole weights by name, not adapters; set preference.rollout.mode=sync")
-    world = data_parallel(cfg.distributed, "ppo")
+    world = min(data_parallel(cfg.distributed, algo) for algo in online)
     if rc.workers > world:
         raise ConfigError(f"preference.rollout.workers={rc.workers} is more than the layout allows: each worker "
-                          f"serves the batches of at least one of PPO's {world} training processes; set it to at "
+                          f"serves the batches of at least one of the {world} training processes; set it to at "
                           f"most {world}")
 
 

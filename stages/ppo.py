@@ -23,7 +23,6 @@ each logged step's episodes.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from functools import partial
@@ -135,7 +134,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if pc.environment or pc.tools:
         agent_spec = {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
                       "fmt": format_of(tokenizer.chat_template, str(sft_dir)), "max_turns": pc.max_turns,
-                      "max_length": pc.max_length, "cwd": os.getcwd()}
+                      "max_length": pc.max_length}
         agent = Agent(Setup.load(pc.environment, pc.tools, pc.tool_timeout_s), agent_spec["fmt"], pc.max_turns,
                       pc.max_length)
     ptx_rows = (ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,

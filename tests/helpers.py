@@ -92,11 +92,11 @@ def run_stage(cfg, path, stage):
     return manifest, locate(cfg, stage)[0], "\n".join(lines)
 
 
-def kill_after_checkpoint(cfg, path, stage, step: int, sessions: list | None = None) -> Path:
-    """Start the stage, SIGKILL its whole process group once step `step` is checkpointed (its session id, the
-    launcher's pid, appended to `sessions`)."""
+def kill_after_checkpoint(cfg, path, stage, step: int, sessions: list | None = None, trainer: bool = False) -> Path:
+    """Start the stage, SIGKILL its whole process group once step `step` is checkpointed (`trainer`: a TRL
+    Trainer's checkpoint-N; its session id, the launcher's pid, appended to `sessions`)."""
     out_dir = locate(cfg, stage)[0]
-    marker = out_dir / "checkpoints" / f"step-{step:08d}" / "complete.json"
+    marker = out_dir / "checkpoints" / (f"checkpoint-{step}" if trainer else f"step-{step:08d}") / "complete.json"
     log = Path(path).with_name(f"{stage}-killed.log")
     with open(log, "w") as out, launch(cfg, path, stage, stdout=out) as proc:  # a file: nobody reads the output
         deadline = time.time() + 600

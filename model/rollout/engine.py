@@ -27,6 +27,8 @@ cache, stale weights), not of the sampling settings.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -48,11 +50,13 @@ class HFEngine:
         self.model, self.pad_id, self.synced = model, pad_id, synced
 
     @classmethod
-    def load(cls, model_dir: str, pad_id: int, dtype=None) -> HFEngine:
+    def load(cls, model_dir: str, pad_id: int) -> HFEngine:
+        """The policy from `model_dir` on this process's device (a GPU Ray gave it, in bf16; else the CPU, fp32)."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        return cls(model.eval(), pad_id)
+        cuda = torch.cuda.is_available()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
+        return cls(model.to("cuda" if cuda else "cpu").eval(), pad_id)
 
     @torch.no_grad()
     def generate(self, sequences: list[list[int]], budgets: list[int], max_new_tokens: int, temperature: float = 1.0,
@@ -75,6 +79,8 @@ def engine_class(spec: str):
     if spec == "hf":
         return HFEngine
     module, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path:  # the user's engine imports from the working folder, as their rewards do
+        sys.path.insert(0, os.getcwd())
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:

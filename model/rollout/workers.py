@@ -85,8 +85,8 @@ class InProcess:
         self.timeline.span("trainer", "generate", *r.span, step)
         return ids, r
 
-    def updated(self, module) -> None:
-        self.version += 1
+    def updated(self, module, version: int | None = None) -> None:
+        self.version = self.version + 1 if version is None else version
 
     def state(self) -> dict:
         return {"version": self.version}
@@ -102,12 +102,17 @@ class RolloutWorker:
     """One rollout worker (a Ray actor): an engine over the policy, its tokenizer, the environments and tools."""
 
     def __init__(self, index: int, model_dir: str, engine: str, oc, agent_spec: dict | None, threads: int,
-                 cores: list[int] | None):
+                 cores: list[int] | None, cwd: str):
+        import sys
+
         from transformers import AutoTokenizer
 
         from gptforge.model.eval.generation import stop_ids
         from gptforge.model.rollout.tools import Setup
 
+        os.chdir(cwd)  # the user's engine, environment and tools import from the stage's working folder
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
         if cores:
             os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores) if cores else threads)
@@ -125,8 +130,7 @@ class RolloutWorker:
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
             self.stops = set(eos if isinstance(eos, list) else [eos])
         self.agent = None
-        if agent_spec is not None:  # the user's environment and tools, imported from the stage's working folder
-            os.chdir(agent_spec["cwd"])
+        if agent_spec is not None:
             setup = Setup.load(agent_spec["environment"], agent_spec["tools"], agent_spec["timeout"])
             self.agent = Agent(setup, agent_spec["fmt"], agent_spec["max_turns"], agent_spec["max_length"])
 
@@ -158,6 +162,7 @@ class Workers:
         rc = cfg.preference.rollout
         self.k, self.rank, self.world, self.lookup, self.timeline = staleness, rank, world, lookup, timeline
         self.seed, self.version, self.drawn = cfg.run.seed, 0, 0
+        self.unsent = None  # the module whose weights (of self.version) the workers have yet to get
         self.queue: deque = deque()  # (prompt ids, rank 0: the ObjectRefs of every rank / everywhere: Rollouts)
         self.stack = ExitStack()
         self.actors = []
@@ -182,7 +187,7 @@ class Workers:
             self.stack.enter_context(ray_instance(None, rc.workers))
         remote = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else 1, max_restarts=0)(RolloutWorker)
         self.actors = [remote.remote(i, str(model_dir), rc.engine, oc, agent_spec, torch.get_num_threads(),
-                                     spare[i] if spare else None) for i in range(rc.workers)]
+                                     spare[i] if spare else None, os.getcwd()) for i in range(rc.workers)]
 
     @staticmethod
     def spare_cores(workers: int, world: int) -> list[list[int]] | None:
@@ -213,6 +218,9 @@ class Workers:
         return ids, r
 
     def submit(self, ids: list[int]) -> None:
+        if self.unsent is not None:  # the trainer's newest weights first: this batch is sampled with them
+            self.push(self.unsent)
+            self.unsent = None
         self.drawn += 1
         prompts, rows = self.lookup(ids)
         mine = {"prompts": prompts, "rows": rows, "version": self.version,
@@ -248,10 +256,11 @@ class Workers:
 
     # -- weights
 
-    def updated(self, module) -> None:
-        """After an update: the new version to every worker."""
-        self.version += 1
-        self.push(module)
+    def updated(self, module, version: int | None = None) -> None:
+        """After an update (`version`: the trainer's count of them, else one more): the new version goes to every
+        worker before the next batch is sent."""
+        self.version = self.version + 1 if version is None else version
+        self.unsent = module
 
     def push(self, module) -> None:
         import deepspeed
@@ -291,10 +300,75 @@ class Workers:
         state = state or {}
         self.version, self.drawn = state.get("version", 0), state.get("drawn", 0)
         self.queue = deque((s["ids"], Rollouts.from_state(s["rollouts"])) for s in state.get("inflight", []))
-        self.push(module)
+        self.unsent = module
 
     def close(self) -> None:
         self.stack.close()
+
+
+class GenerationOrder:
+    """The prompts of a TRL trainer's generation batches when a rollout source samples them ahead: `rows` rows a
+    process, each of `unique` prompts (the whole world's, drawn by DistributedOrder with run.seed, the same on every
+    process) repeated `group` times in a row, the world's rows split among the processes in order, as TRL's
+    RepeatSampler lays them out (a prompt's group may span processes; TRL gathers the rewards to take its
+    advantages)."""
+
+    def __init__(self, n_prompts: int, rows: int, group: int, rank: int, world: int, seed: int):
+        from gptforge.data.batches import DistributedOrder
+
+        if rows * world % group:
+            raise UserError(f"a generation batch of {rows * world} rows does not hold whole groups of {group}")
+        self.rows, self.group, self.rank = rows, group, rank
+        self.order = DistributedOrder(n_prompts, rows * world // group, 0, 1, seed)
+
+    def next_ids(self) -> list[int]:
+        every = [int(i) for i in self.order.next_ids() for _ in range(self.group)]
+        return every[self.rank * self.rows:(self.rank + 1) * self.rows]
+
+    def state_dict(self) -> dict:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state)
+
+
+def trainer_callback(trainer, source, order, policy, out_dir: Path):
+    """A TRL Trainer's side of async rollouts: after each optimizer step the policy's weights (`policy`, the module
+    the Trainer trains, partitioned or not) are the source's next version; each checkpoint keeps the batches in
+    flight and the prompt order (`rollouts-rank<r>.pt`), which `resume` loads back; a rollback of the guard drops
+    the batches in flight and sends the checkpoint's weights."""
+    from transformers import TrainerCallback
+
+    from gptforge.model.train.hf_trainer import Checkpoints
+
+    rank = trainer.accelerator.process_index
+
+    class RolloutSync(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            source.updated(policy, state.global_step)
+            return control
+
+        def on_save(self, args, state, control, **kwargs):
+            d = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            kept = {"source": source.state(), "order": order.state_dict()}
+            torch.save(kept, d / f"rollouts-rank{rank}.pt")
+            return control
+
+    def resume(ckpt: str | None) -> None:
+        kept = Path(ckpt) / f"rollouts-rank{rank}.pt" if ckpt else None
+        state = torch.load(kept, weights_only=True) if kept is not None and kept.is_file() else {}
+        if state:
+            order.load_state_dict(state["order"])
+        source.load_state(state.get("source"), policy)
+
+    def rolled_back(ckpt: Path) -> None:
+        source.load_state({"version": source.version, "drawn": source.drawn}, policy)
+
+    handler = trainer.callback_handler  # before Checkpoints, which records the checkpoint's files
+    at = next((i for i, c in enumerate(handler.callbacks) if isinstance(c, Checkpoints)), len(handler.callbacks))
+    handler.callbacks.insert(at, RolloutSync())
+    trainer.rolled_back = rolled_back
+    return resume
 
 
 @contextmanager

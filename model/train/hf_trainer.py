@@ -148,6 +148,9 @@ class TrainerGuard(TrainerCallback):
             loss = out[0] if isinstance(out, tuple) else out
             self.guard.next(lambda: None)  # counts the micro-batch for drills
             self.guard.observe(loss, boundary=acc.sync_gradients)
+            rollouts = getattr(trainer, "rollout_verdict", None)  # gptforge.model.rollout.online: a mismatch
+            if rollouts and acc.sync_gradients:
+                self.guard.verdict = rollouts
             loss = self.guard.gate(loss)
             return (loss, *out[1:]) if isinstance(out, tuple) else loss
 
@@ -174,6 +177,8 @@ class TrainerGuard(TrainerCallback):
                                       load_module_strict=not is_peft(self.trainer.model))
             if (ckpt / "scheduler.pt").is_file():  # the Trainer's own schedule, where DeepSpeed does not hold it
                 self.trainer.lr_scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt"))
+        if hasattr(self.trainer, "rolled_back"):  # async rollouts: the batches in flight dropped, these weights sent
+            self.trainer.rolled_back(ckpt)
 
     def on_save(self, args, state, control, **kwargs):
         if self.guard.rank == 0:

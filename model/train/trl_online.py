@@ -20,8 +20,9 @@ from gptforge.model.eval.generation import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.online import agent_trainer
+from gptforge.model.rollout.online import rollout_trainer
 from gptforge.model.rollout.tools import Setup
+from gptforge.model.rollout.workers import GenerationOrder, Timeline, Workers, trainer_callback
 from gptforge.model.train import sequence_parallel
 from gptforge.model.train.checkpoints import no_pickled_code
 from gptforge.model.train.distributed import barrier, setup_distributed
@@ -42,9 +43,12 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: st
     config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
-    if pc.environment or pc.tools:  # each rollout an episode with tools (gptforge.model.rollout)
-        trainer_cls = agent_trainer(trainer_cls, Setup.load(pc.environment, pc.tools, pc.tool_timeout_s),
-                                    format_of(tokenizer.chat_template, str(sft_dir)), pc, oc, out_dir / "rollouts")
+    tools, apart = bool(pc.environment or pc.tools), pc.rollout.mode == "async"
+    fmt = format_of(tokenizer.chat_template, str(sft_dir)) if tools else None
+    corrected = pc.rollout.correction != "none" or pc.rollout.max_mismatch is not None
+    if tools or apart or corrected:  # episodes, rollouts from workers, their log-probabilities (gptforge.model.rollout)
+        agent = Setup.load(pc.environment, pc.tools, pc.tool_timeout_s) if tools else None
+        trainer_cls = rollout_trainer(trainer_cls, pc, oc, out_dir / "rollouts", agent, fmt)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
     data_parallel = dist.world_size // dist.sequence_parallel
     args = config_cls(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,
@@ -66,10 +70,27 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: st
         use_reference(trainer, reference_dir(cfg, inputs), cfg.model)
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
-    with no_pickled_code():
-        resumed = resume_point(out_dir, stage, rank, world)
-        guard = TrainerGuard(trainer, pc, stage, out_dir, resumed)
-        trainer.train(resume_from_checkpoint=resumed)
+    source = None
+    if apart:  # rollout workers sample the generation batches ahead (gptforge.model.rollout.workers)
+        spec = None if not tools else {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
+                                       "fmt": fmt, "max_turns": pc.max_turns, "max_length": pc.max_length}
+        order = GenerationOrder(len(prompts), args.per_device_train_batch_size * args.steps_per_generation,
+                                oc.num_generations, rank, world, cfg.run.seed)
+        source = Workers(cfg, oc, sft_dir, spec, lambda ids: ([prompts[i]["prompt"] for i in ids],
+                                                              [prompts[i] for i in ids]),
+                         rank, world, Timeline(out_dir / "logs", rank), pc.rollout.max_staleness)
+        trainer.attach(source, order)
+        resume_rollouts = trainer_callback(trainer, source, order, policy, out_dir)
+    try:
+        with no_pickled_code():
+            resumed = resume_point(out_dir, stage, rank, world)
+            guard = TrainerGuard(trainer, pc, stage, out_dir, resumed)
+            if source is not None:
+                resume_rollouts(resumed)
+            trainer.train(resume_from_checkpoint=resumed)
+    finally:
+        if source is not None:
+            source.close()
     export_trainer(trainer, tokenizer, out_dir / "model", cfg.model.shard_bytes)
     barrier()
     return {"global_step": trainer.state.global_step, **metrics.final(), **guard.final()}

@@ -60,6 +60,10 @@ class SamplesOnly:
         raise NotImplementedError
 
 
+class Engine(SamplesOnly):
+    loads_weights = logprobs = True
+
+
 ONLINE = ["preference.algorithm=ppo"]
 
 
@@ -74,9 +78,11 @@ ONLINE = ["preference.algorithm=ppo"]
      "preference.rollout.engine=tests.pipeline.test_preflight:Nowhere: cannot import it"),
     (["preference.rollout.mode=async", "preference.rollout.workers=3"],
      "preference.rollout.workers=3 is more than the layout allows: each worker serves the batches of at least one "
-     "of PPO's 2 training processes"),
-    (["preference.rollout.mode=async", "preference.algorithm=grpo"],
-     "preference.rollout.mode=async with engine hf for grpo: rollout workers serve PPO's loop"),
+     "of the 2 training processes"),
+    (["preference.rollout.mode=async", "preference.algorithm=grpo", "distributed.sequence_parallel=2"],
+     "preference.rollout.mode=async for grpo with distributed.sequence_parallel=2"),
+    (["preference.algorithm=rloo", "preference.rollout.engine=tests.pipeline.test_preflight:Engine"],
+     "preference.rollout.engine=tests.pipeline.test_preflight:Engine in sync mode for rloo"),
 ])
 def test_bad_rollout_settings_are_one_error_naming_the_key_before_anything_runs(overrides, says):
     from gptforge.core.errors import UserError

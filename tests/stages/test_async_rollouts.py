@@ -4,6 +4,7 @@ what the in-process (sync) run does; at 1 each batch is one update old, and a ru
 resumes to the uninterrupted result."""
 
 import json
+import math
 import subprocess
 import time
 
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 
 from gptforge.model.train.metrics import MEASURED
 from tests.conftest import PPO, once, shared_dir
-from tests.helpers import kill_after_checkpoint, logged, prepared, run_stage
+from tests.helpers import kill_after_checkpoint, launch, logged, prepared, run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -105,3 +106,95 @@ def test_async_rollouts_run_the_users_environment_in_the_worker(chain, tmp_path,
     for e in episodes_of(out_dir, 2):
         asked = e["messages"][0]["content"]
         assert asked.endswith(" (ledger open)") and e["rewards"]["environment"] == pytest.approx(ledger_reward(asked))
+
+
+NOISY = '''
+from transformers import AutoTokenizer
+
+from gptforge.model.rollout.engine import HFEngine
+
+
+class Noisy(HFEngine):
+    """transformers' generate, each sampled token's log-probability reported 0.3 nats under the model's (as another
+    kernel's would differ)."""
+
+    def __init__(self, model_dir):
+        loaded = HFEngine.load(model_dir, AutoTokenizer.from_pretrained(model_dir).pad_token_id)
+        super().__init__(loaded.model, loaded.pad_id)
+
+    def generate(self, *args, **kwargs):
+        turns = super().generate(*args, **kwargs)
+        for t in turns:
+            t.logprobs = [x - 0.3 for x in t.logprobs]
+        return turns
+'''
+
+
+def with_noisy_engine(chain, tmp_path, monkeypatch, *overrides):
+    (tmp_path / "noisy_engine.py").write_text(NOISY)
+    monkeypatch.chdir(tmp_path)
+    return prepared(chain, tmp_path / "run", *PPO, "preference.rollout.engine=noisy_engine:Noisy", *overrides)
+
+
+def test_a_users_engine_samples_in_a_worker_and_tis_caps_its_mismatch(chain, ppo, tmp_path, monkeypatch):
+    """Sync mode with an engine on the seam: it runs in a rollout worker at staleness 0, samples what hf does, and
+    its log-probabilities, 0.3 nats off the trainer's on every token, are measured and capped."""
+    cfg, path = with_noisy_engine(chain, tmp_path, monkeypatch, "preference.rollout.correction=tis",
+                                  "preference.rollout.tis_cap=1.2", "preference.max_steps=2")
+    _, out_dir, _ = run_stage(cfg, path, "ppo")
+    assert logged(out_dir, "reward_mean")[0] == logged(ppo[1], "reward_mean")[0]  # hf's samples, in the worker
+    assert logged(out_dir, "mismatch/logp_abs_diff") == pytest.approx([0.3, 0.3], abs=1e-5)
+    assert logged(out_dir, "mismatch/kl") == pytest.approx([math.exp(0.3) - 1.3] * 2, abs=1e-5)
+    assert logged(out_dir, "mismatch/capped") == [1.0, 1.0]  # e^0.3 = 1.35 > 1.2 on every token
+    assert logged(out_dir, "rollout/staleness") == [0, 0]
+
+
+def test_a_mismatch_past_max_mismatch_is_a_bad_step_skipped_then_rolled_back(chain, tmp_path, monkeypatch):
+    cfg, path = with_noisy_engine(chain, tmp_path, monkeypatch, "preference.rollout.max_mismatch=0.04",
+                                  "preference.max_bad_steps=2", "preference.max_rollbacks=0")
+    with launch(cfg, path, "ppo") as proc:
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    said = "the rollouts' mismatch, KL 0.04986 a token, is over preference.rollout.max_mismatch (0.04)"
+    assert f"[ppo] step 1: {said}; step skipped (1 bad, 1 in a row)" in out, out[-3000:]
+    assert "ppo: step 1: 2 bad steps in a row and no checkpoint to go back to" in out
+
+
+def test_under_zero3_the_weights_reach_the_worker_gathered_and_exact(chain, tmp_path):
+    """ZeRO-3 partitions the policy over both processes; each update's weights reach the worker one gathered
+    parameter at a time, so that at staleness 0 the worker samples with exactly the trainer's policy: the
+    log-probabilities it kept equal the trainer's at every step."""
+    cfg, path = prepared(chain, tmp_path, *ASYNC, "distributed.zero_stage=3", "preference.rollout.max_staleness=0",
+                         "preference.max_steps=4")
+    _, out_dir, _ = run_stage(cfg, path, "ppo")
+    assert logged(out_dir, "rollout/version") == [0, 1, 2, 3]
+    assert logged(out_dir, "mismatch/logp_abs_diff") == pytest.approx([0.0] * 4, abs=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_trls_trainers_train_on_generation_batches_sampled_ahead(algorithm, chain, tmp_path):
+    """GRPO and RLOO with a rollout worker at staleness 1: each generation batch after the first was sampled with
+    the weights one optimizer step old, its log-probabilities kept and the loss corrected (TIS); a run killed after
+    its step-2 checkpoint (GRPO's) resumes to the uninterrupted result."""
+    overrides = [f"preference.algorithm={algorithm}", "distributed.zero_stage=2", "preference.max_steps=4",
+                 "preference.save_every=2", "preference.log_every=1", "preference.rollout.mode=async",
+                 "preference.rollout.max_staleness=1", "preference.rollout.correction=tis"]
+    cfg, path = prepared(chain, tmp_path / "run", *overrides)
+    manifest, done, _ = run_stage(cfg, path, algorithm)
+    assert manifest["metrics"]["global_step"] == 4
+    assert logged(done, "rollout/staleness") == [0, 1, 1, 1] and logged(done, "rollout/version") == [0, 0, 1, 2]
+    kl = logged(done, "mismatch/kl")  # the Trainer's first update is at learning rate 0 (its warmup's start)
+    assert kl[:2] == pytest.approx([0, 0], abs=1e-6) and all(k > 1e-5 for k in kl[2:])
+    generated = [s for s in spans(done) if s["what"] == "generate"]
+    assert {s["who"] for s in generated} == {"worker-0"} and len(generated) == 4
+    if algorithm == "rloo":
+        return
+    cfg, path = prepared(chain, tmp_path / "again", *overrides)
+    killed = kill_after_checkpoint(cfg, path, algorithm, 2, trainer=True)
+    assert (killed / "checkpoints" / "checkpoint-2" / "rollouts-rank1.pt").is_file()
+    _, out_dir, out = run_stage(cfg, path, algorithm)
+    assert f"[{algorithm}] resumed from {killed / 'checkpoints' / 'checkpoint-2'}" in out
+    for key in ("reward_mean", "loss", "rollout/staleness", "mismatch/kl"):
+        assert logged(out_dir, key) == pytest.approx(logged(done, key), abs=1e-5), key
+    a, b = weights(done), weights(out_dir)
+    assert all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
