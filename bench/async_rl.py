@@ -1,17 +1,16 @@
-"""Rollouts apart from training: PPO on the demo, sync (the training process samples between updates) against
-async (one rollout worker samples the next batch while the trainer trains, max_staleness 1), in one run, with the
-same settings and samples per step, over several seeds.
+"""Rollouts apart from training: PPO and GRPO on the demo, sync (the training process samples between updates)
+against async (one rollout worker samples the next batch while the trainer trains, max_staleness 1), in one run,
+with the same settings and samples per step, over several seeds.
 
-    .venv/bin/python bench/async_rl.py [-c configs/tiny.yaml] [--seeds 0 1 2] [--root runs/async_rl]
-                                       [--new-tokens 8] [--steps 200] [--set k=v ...]
+    .venv/bin/python bench/async_rl.py [-c configs/tiny.yaml] [--seeds 0 1 2] [--algorithms ppo grpo]
+                                       [--root runs/async_rl] [--new-tokens 8] [--steps 200] [--set k=v ...]
 
 Reported: the step time of each (the mean time between the ends of consecutive updates, the first step left
 out), their ratio sync / async, the held-out exact match of each policy (mean ± standard error over the seeds),
 and a timeline of seed 0's last steps (`timeline.png` in the root): when the trainer samples, waits and trains,
 and when the worker samples. Both use the whole machine: sync's one training process takes every core, async's
-takes all but one, which its worker takes (gptforge.model.train.distributed's `reserve`).
-
-GRPO and RLOO sample inside TRL's trainers and take no rollout worker yet: the bench runs PPO alone.
+takes all but one, which its worker takes (gptforge.model.train.distributed's `reserve`). GRPO's async run draws
+its prompts from gptforge's own seeded order (gptforge.model.rollout.workers.GenerationOrder), not TRL's sampler.
 """
 
 from __future__ import annotations
@@ -68,41 +67,47 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--algorithms", nargs="+", default=["ppo", "grpo"], choices=["ppo", "grpo", "rloo"])
     parser.add_argument("--root", type=Path, default=ROOT / "runs" / "async_rl")
-    parser.add_argument("--new-tokens", type=int, default=None, help="preference.ppo.max_new_tokens")
+    parser.add_argument("--new-tokens", type=int, default=None, help="preference.<algorithm>.max_new_tokens")
     parser.add_argument("--steps", type=int, default=None, help="preference.max_steps")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    common = [*args.set, "preference.algorithm=ppo", "distributed.nproc_per_node=1"]
-    common += [f"preference.ppo.max_new_tokens={args.new_tokens}"] if args.new_tokens else []
-    common += [f"preference.max_steps={args.steps}"] if args.steps else []
     from gptforge.core.config import load_config
     from gptforge.pipeline.store import locate
 
-    results: dict[str, dict[str, list[float]]] = {m: {"step_s": [], "exact_match": []} for m in MODES}
+    results: dict[tuple[str, str], dict[str, list[float]]] = {}
     timelines = {}
     for seed in args.seeds:
-        for mode, extra in MODES.items():  # one store: the stages before PPO computed once a seed
-            root = args.root
-            metrics = run_seed(args.config, root, seed, [*common, *extra])
-            cfg = load_config(str(root / f"seed{seed}.yaml"))
-            folder = locate(cfg, "ppo")[0]
-            timeline = [json.loads(line) for line in (folder / "logs" / "timeline.jsonl").read_text().splitlines()]
-            results[mode]["step_s"].append(step_time(timeline))
-            results[mode]["exact_match"].append(metrics["eval-ppo"]["exact_match"])
-            if seed == args.seeds[0]:
-                timelines[mode] = timeline
+        for algorithm in args.algorithms:
+            common = [*args.set, f"preference.algorithm={algorithm}", "distributed.nproc_per_node=1"]
+            common += [f"preference.{algorithm}.max_new_tokens={args.new_tokens}"] if args.new_tokens else []
+            common += [f"preference.max_steps={args.steps}"] if args.steps else []
+            for mode, extra in MODES.items():  # one store: the stages before the algorithm computed once a seed
+                metrics = run_seed(args.config, args.root, seed, [*common, *extra])
+                cfg = load_config(str(args.root / f"seed{seed}.yaml"))
+                folder = locate(cfg, algorithm)[0]
+                timeline = [json.loads(line) for line in (folder / "logs" / "timeline.jsonl").read_text().splitlines()]
+                got = results.setdefault((algorithm, mode), {"step_s": [], "exact_match": []})
+                got["step_s"].append(step_time(timeline))
+                got["exact_match"].append(metrics[f"eval-{algorithm}"]["exact_match"])
+                if seed == args.seeds[0]:
+                    timelines[f"{algorithm} {mode}"] = timeline
     plot(timelines, args.root / "timeline.png")
-    ratios = [s / a for s, a in zip(results["sync"]["step_s"], results["async"]["step_s"])]
-    print(f"PPO on the demo, sync against async (max_staleness 1, one worker), seeds {args.seeds}, "
-          f"{' '.join(common)}")
-    print("| mode | step time (s) | held-out exact match |")
-    print("|---|---|---|")
-    for mode in MODES:
-        print(f"| {mode} | {mean_se(results[mode]['step_s'])} | {mean_se(results[mode]['exact_match'])} |")
-    print(f"step time sync / async: {statistics.mean(ratios):.2f}x (per seed: "
-          f"{', '.join(f'{r:.2f}' for r in ratios)}); timeline: {args.root / 'timeline.png'}")
-    return {"ratio": statistics.mean(ratios), **{f"{m}_{k}": v for m, r in results.items() for k, v in r.items()}}
+    print(f"sync against async (max_staleness 1, one worker) on the demo, seeds {args.seeds}, "
+          f"{' '.join(args.set)}")
+    print("| algorithm | mode | step time (s) | held-out exact match |")
+    print("|---|---|---|---|")
+    ratios = {}
+    for (algorithm, mode), got in results.items():
+        print(f"| {algorithm} | {mode} | {mean_se(got['step_s'])} | {mean_se(got['exact_match'])} |")
+    for algorithm in args.algorithms:
+        each = [s / a for s, a in zip(results[algorithm, "sync"]["step_s"], results[algorithm, "async"]["step_s"])]
+        ratios[algorithm] = statistics.mean(each)
+        print(f"{algorithm} step time sync / async: {ratios[algorithm]:.2f}x (per seed: "
+              f"{', '.join(f'{r:.2f}' for r in each)})")
+    print(f"timeline: {args.root / 'timeline.png'}")
+    return ratios
 
 
 if __name__ == "__main__":

@@ -344,8 +344,15 @@ def trainer_callback(trainer, source, order, policy, out_dir: Path):
     rank = trainer.accelerator.process_index
 
     class RolloutSync(TrainerCallback):
+        began = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began = time.time()
+            return control
+
         def on_step_end(self, args, state, control, **kwargs):
             source.updated(policy, state.global_step)
+            source.timeline.span("trainer", "train", self.began, time.time(), state.global_step)
             return control
 
         def on_save(self, args, state, control, **kwargs):

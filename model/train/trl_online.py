@@ -38,12 +38,13 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: st
     preference.<stage>, plus the algorithm's own `algorithm_args`; export it to `out_dir/model` and return the
     stage's metrics."""
     pc, oc, dist = cfg.preference, getattr(cfg.preference, stage), cfg.distributed
-    rank, world, device = setup_distributed(cfg.distributed)
+    apart = pc.rollout.mode == "async"  # rollout workers: a CPU node leaves each a core
+    rank, world, device = setup_distributed(cfg.distributed, reserve=pc.rollout.workers if apart else 0)
     trl = importlib.import_module("trl")  # after setup_distributed, whose environment spares TRL's import of MLflow
     config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
     scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
-    tools, apart = bool(pc.environment or pc.tools), pc.rollout.mode == "async"
+    tools = bool(pc.environment or pc.tools)
     fmt = format_of(tokenizer.chat_template, str(sft_dir)) if tools else None
     corrected = pc.rollout.correction != "none" or pc.rollout.max_mismatch is not None
     if tools or apart or corrected:  # episodes, rollouts from workers, their log-probabilities (gptforge.model.rollout)

@@ -5,6 +5,7 @@ resumes to the uninterrupted result."""
 
 import json
 import math
+import os
 import subprocess
 import time
 
@@ -125,14 +126,33 @@ class Noisy(HFEngine):
     def generate(self, *args, **kwargs):
         turns = super().generate(*args, **kwargs)
         for t in turns:
-            t.logprobs = [x - 0.3 for x in t.logprobs]
+            t.logprobs = [x - self.offset() for x in t.logprobs]
         return turns
+
+    def offset(self):
+        return 0.3
+
+
+class NoisyLater(Noisy):
+    """Noisy from the third weights it is sent on (the weights after the second update)."""
+
+    loads = 0
+
+    def load_weights(self, named):
+        self.loads += 1
+        super().load_weights(named)
+
+    def offset(self):
+        return 0.3 if self.loads >= 3 else 0.0
 '''
 
 
 def with_noisy_engine(chain, tmp_path, monkeypatch, *overrides):
+    """The engine from the working folder (run_stage's), or from PYTHONPATH (a `launch`ed stage runs in the
+    repository)."""
     (tmp_path / "noisy_engine.py").write_text(NOISY)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     return prepared(chain, tmp_path / "run", *PPO, "preference.rollout.engine=noisy_engine:Noisy", *overrides)
 
 
@@ -150,14 +170,19 @@ def test_a_users_engine_samples_in_a_worker_and_tis_caps_its_mismatch(chain, ppo
 
 
 def test_a_mismatch_past_max_mismatch_is_a_bad_step_skipped_then_rolled_back(chain, tmp_path, monkeypatch):
-    cfg, path = with_noisy_engine(chain, tmp_path, monkeypatch, "preference.rollout.max_mismatch=0.04",
-                                  "preference.max_bad_steps=2", "preference.max_rollbacks=0")
+    """Steps 1-2 sample with no mismatch and step 2 is checkpointed; from the third weights on the engine is 0.05
+    nats of KL a token off: step 3 is skipped twice, the stage rolls back to step 2, and then stops."""
+    cfg, path = with_noisy_engine(chain, tmp_path, monkeypatch, "preference.rollout.engine=noisy_engine:NoisyLater",
+                                  "preference.rollout.max_mismatch=0.04", "preference.max_bad_steps=2",
+                                  "preference.max_rollbacks=1")
     with launch(cfg, path, "ppo") as proc:
         out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0
     said = "the rollouts' mismatch, KL 0.04986 a token, is over preference.rollout.max_mismatch (0.04)"
-    assert f"[ppo] step 1: {said}; step skipped (1 bad, 1 in a row)" in out, out[-3000:]
-    assert "ppo: step 1: 2 bad steps in a row and no checkpoint to go back to" in out
+    assert f"[ppo] step 3: {said}; step skipped (1 bad, 1 in a row)" in out, out[-3000:]
+    assert "step 1:" not in out and "step 2:" not in out
+    assert "rolling back to" in out and "step-00000002" in out
+    assert f"error: ppo: step 3: {said}, 2 bad steps in a row (preference.max_bad_steps=2) after 1 rollback(s)" in out
 
 
 def test_under_zero3_the_weights_reach_the_worker_gathered_and_exact(chain, tmp_path):
@@ -198,3 +223,19 @@ def test_trls_trainers_train_on_generation_batches_sampled_ahead(algorithm, chai
         assert logged(out_dir, key) == pytest.approx(logged(done, key), abs=1e-5), key
     a, b = weights(done), weights(out_dir)
     assert all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
+
+
+def test_grpo_with_a_users_engine_past_max_mismatch_skips_the_steps_then_stops(chain, tmp_path, monkeypatch):
+    """The guard of a TRL trainer reads the rollouts' verdict: every generation batch of the noisy engine is 0.05
+    nats of KL a token off the trainer's policy, over max_mismatch, so its step is dropped, and with no checkpoint
+    to roll back to the stage stops with one line."""
+    cfg, path = with_noisy_engine(chain, tmp_path, monkeypatch, "preference.algorithm=grpo",
+                                  "distributed.zero_stage=2", "preference.rollout.mode=async",
+                                  "preference.rollout.max_staleness=0", "preference.rollout.max_mismatch=0.04",
+                                  "preference.max_bad_steps=2", "preference.max_rollbacks=0")
+    with launch(cfg, path, "grpo") as proc:
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    said = "the rollouts' mismatch, KL 0.04986 a token, is over preference.rollout.max_mismatch (0.04)"
+    assert f"[grpo] step 1: {said}; step skipped (1 bad, 1 in a row)" in out, out[-3000:]
+    assert f"error: grpo: step 2: {said}, 2 bad steps in a row (preference.max_bad_steps=2)" in out, out[-3000:]
