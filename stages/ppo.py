@@ -187,7 +187,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                             lambda ids: ([prompts[i] for i in ids], [items[i] for i in ids]), rank, world, synced,
                             everyone, stop_ids(actor), out_dir / "logs")
     try:
-        source.load_state((state or {}).get("rank_state", {}).get("rollouts"), actor_engine.module)
+        # the checkpoint's batches in flight (none where another number of processes wrote it: then fresh ones,
+        # the weights' version the steps taken)
+        kept = (state or {}).get("rank_state", {}).get("rollouts") or {"version": step}
+        source.load_state(kept, actor_engine.module)
 
         bar = tqdm(total=pc.max_steps, initial=step, desc="ppo", file=sys.stderr, disable=rank != 0, mininterval=2.0)
         throughput = Throughput(reduce=lambda tokens: all_sum([tokens], device)[0])
@@ -260,7 +263,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             if outcome == "rollback":  # actor, critic and KL coefficient from the newest checkpoint; prompts go on
                 state = guard.rollback(engines, out_dir / "checkpoints", step)
                 step, kl_ctl.value = state["step"], state["kl_coef"]
-                source.load_state(state.get("rank_state", {}).get("rollouts"), actor_engine.module)
+                source.load_state(state.get("rank_state", {}).get("rollouts") or {"version": step},
+                                  actor_engine.module)
             else:  # the weights the next rollouts are sampled with (a skipped step may have taken some updates)
                 source.updated(actor_engine.module)
             source.timeline.span("trainer", "train", trained_from, time.time(), step)
