@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +35,18 @@ def step_time(timeline: list[dict]) -> float:
     """Mean seconds between the ends of consecutive updates, the first step (start-up) left out."""
     ends = sorted(s["end"] for s in timeline if s["who"] == "trainer" and s["what"] == "train")
     return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def split(timeline: list[dict]) -> str:
+    """Seconds a step (the first left out) the trainer spent generating, waiting and training, and the worker
+    generating."""
+    steps = {s["step"] for s in timeline} - {1}
+    spent: dict[str, float] = {}
+    for s in timeline:
+        if s["step"] in steps:
+            key = f"{s['who']} {s['what']}"
+            spent[key] = spent.get(key, 0.0) + (s["end"] - s["start"]) / len(steps)
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(spent.items()))
 
 
 def plot(timelines: dict[str, list[dict]], path: Path, last: int = 4) -> None:
@@ -71,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--root", type=Path, default=ROOT / "runs" / "async_rl")
     parser.add_argument("--new-tokens", type=int, default=None, help="preference.<algorithm>.max_new_tokens")
     parser.add_argument("--steps", type=int, default=None, help="preference.max_steps")
+    parser.add_argument("--sync-cores", type=int, default=None,
+                        help="pin the sync runs to this many cores (default: all), so that async's worker has cores "
+                             "of its own beside a trainer of the same size, as rollout engines have their GPUs")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     from gptforge.core.config import load_config
@@ -84,7 +100,13 @@ def main(argv: list[str] | None = None) -> dict:
             common += [f"preference.{algorithm}.max_new_tokens={args.new_tokens}"] if args.new_tokens else []
             common += [f"preference.max_steps={args.steps}"] if args.steps else []
             for mode, extra in MODES.items():  # one store: the stages before the algorithm computed once a seed
-                metrics = run_seed(args.config, args.root, seed, [*common, *extra])
+                every = os.sched_getaffinity(0)
+                if mode == "sync" and args.sync_cores:
+                    os.sched_setaffinity(0, sorted(every)[:args.sync_cores])
+                try:
+                    metrics = run_seed(args.config, args.root, seed, [*common, *extra])
+                finally:
+                    os.sched_setaffinity(0, every)
                 cfg = load_config(str(args.root / f"seed{seed}.yaml"))
                 folder = locate(cfg, algorithm)[0]
                 timeline = [json.loads(line) for line in (folder / "logs" / "timeline.jsonl").read_text().splitlines()]
@@ -94,7 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
                 if seed == args.seeds[0]:
                     timelines[f"{algorithm} {mode}"] = timeline
     plot(timelines, args.root / "timeline.png")
-    print(f"sync against async (max_staleness 1, one worker) on the demo, seeds {args.seeds}, "
+    n = len(os.sched_getaffinity(0))
+    cores = f"sync on {args.sync_cores} of {n} cores" if args.sync_cores else "both on every core"
+    print(f"sync against async (max_staleness 1, one worker) on the demo, seeds {args.seeds}, {cores}, "
           f"{' '.join(args.set)}")
     print("| algorithm | mode | step time (s) | held-out exact match |")
     print("|---|---|---|---|")
@@ -106,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
         ratios[algorithm] = statistics.mean(each)
         print(f"{algorithm} step time sync / async: {ratios[algorithm]:.2f}x (per seed: "
               f"{', '.join(f'{r:.2f}' for r in each)})")
+    for name, timeline in timelines.items():
+        print(f"seconds a step, seed {args.seeds[0]}, {name}: {split(timeline)}")
     print(f"timeline: {args.root / 'timeline.png'}")
     return ratios
 

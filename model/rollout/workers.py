@@ -332,18 +332,11 @@ class GenerationOrder:
         self.order.load_state_dict(state)
 
 
-def trainer_callback(trainer, source, order, policy, out_dir: Path):
-    """A TRL Trainer's side of async rollouts: after each optimizer step the policy's weights (`policy`, the module
-    the Trainer trains, partitioned or not) are the source's next version; each checkpoint keeps the batches in
-    flight and the prompt order (`rollouts-rank<r>.pt`), which `resume` loads back; a rollback of the guard drops
-    the batches in flight and sends the checkpoint's weights."""
+def step_spans(timeline: Timeline):
+    """A TRL Trainer's callback class writing each step (its generation, in sync mode, inside) as a `train` span."""
     from transformers import TrainerCallback
 
-    from gptforge.model.train.hf_trainer import Checkpoints
-
-    rank = trainer.accelerator.process_index
-
-    class RolloutSync(TrainerCallback):
+    class StepSpans(TrainerCallback):
         began = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -351,9 +344,26 @@ def trainer_callback(trainer, source, order, policy, out_dir: Path):
             return control
 
         def on_step_end(self, args, state, control, **kwargs):
-            source.updated(policy, state.global_step)
-            source.timeline.span("trainer", "train", self.began, time.time(), state.global_step)
+            timeline.span("trainer", "train", self.began, time.time(), state.global_step)
             return control
+
+    return StepSpans
+
+
+def trainer_callback(trainer, source, order, policy, out_dir: Path):
+    """A TRL Trainer's side of async rollouts: after each optimizer step the policy's weights (`policy`, the module
+    the Trainer trains, partitioned or not) are the source's next version; each checkpoint keeps the batches in
+    flight and the prompt order (`rollouts-rank<r>.pt`), which `resume` loads back; a rollback of the guard drops
+    the batches in flight and sends the checkpoint's weights."""
+
+    from gptforge.model.train.hf_trainer import Checkpoints
+
+    rank = trainer.accelerator.process_index
+
+    class RolloutSync(step_spans(source.timeline)):
+        def on_step_end(self, args, state, control, **kwargs):
+            source.updated(policy, state.global_step)
+            return super().on_step_end(args, state, control, **kwargs)
 
         def on_save(self, args, state, control, **kwargs):
             d = Path(args.output_dir) / f"checkpoint-{state.global_step}"

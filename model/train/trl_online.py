@@ -22,7 +22,7 @@ from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.model.rollout.calls import format_of
 from gptforge.model.rollout.online import rollout_trainer
 from gptforge.model.rollout.tools import Setup
-from gptforge.model.rollout.workers import GenerationOrder, Timeline, Workers, trainer_callback
+from gptforge.model.rollout.workers import GenerationOrder, Timeline, Workers, step_spans, trainer_callback
 from gptforge.model.train import sequence_parallel
 from gptforge.model.train.checkpoints import no_pickled_code
 from gptforge.model.train.distributed import barrier, setup_distributed
@@ -82,6 +82,8 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: st
                          rank, world, Timeline(out_dir / "logs", rank), pc.rollout.max_staleness)
         trainer.attach(source, order)
         resume_rollouts = trainer_callback(trainer, source, order, policy, out_dir)
+    else:  # each step's span beside async's (gptforge.model.rollout.workers.Timeline)
+        trainer.add_callback(step_spans(Timeline(out_dir / "logs", rank))())
     try:
         with no_pickled_code():
             resumed = resume_point(out_dir, stage, rank, world)
