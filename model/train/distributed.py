@@ -57,6 +57,8 @@ def setup_distributed(dist=None, reserve: int = 0) -> tuple[int, int, torch.devi
         if len(cpus) >= local_world:
             os.sched_setaffinity(0, cpus[local_rank * share:(local_rank + 1) * share])
         torch.set_num_threads(share)
+        # and no more later: accelerate's state, where OMP_NUM_THREADS is unset, sets the host's cores a process
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
