@@ -9,6 +9,7 @@ its launcher started, not only the launcher itself; a watchdog does the same if 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -148,8 +149,14 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
     `first_listens_at`: the others start once the first command listens at this address (or has exited)."""
 
     def start(cmd):
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        ssh = cmd[0] == "ssh"  # a node over ssh: its channel stays open while the run lives (pipeline/on_node.py)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if ssh else subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
+        if ssh:
+            proc.stdin.write(json.dumps(env or {}).encode() + b"\n")  # the node's environment, off the command line
+            proc.stdin.flush()
+        return proc
 
     procs = [start(cmds[0])]
     _running.add(procs[0])
@@ -204,6 +211,7 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
                 del buffers[key.fd]
                 rc = proc.wait()
                 if rc != 0:
+                    lost(cmds, procs, n, log)
                     for other in procs:
                         kill_group(other)
                     if proc in _killed:  # by kill_running: this run was cancelled, it did not fail
@@ -223,6 +231,24 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
             guard.wait()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def lost(cmds: list[list[str]], procs: list[subprocess.Popen], failed: int, log: Callable[[str], None]) -> None:
+    """When a node over ssh fails, name the host that was lost: ssh ends with 255 when its connection does (the
+    host, its sshd or the network went down). Another node's ranks may notice first, in a collective: the others'
+    ssh get a few seconds to show it before they are killed."""
+    deadline = time.monotonic() + 3.0
+    for n in [failed, *(i for i in range(len(procs)) if i != failed)]:
+        if cmds[n][0] != "ssh":
+            continue
+        try:
+            rc = procs[n].wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            continue
+        if rc == 255:
+            log(f"error: node {n} ({cmds[n][-2]}) was lost: its ssh connection ended (the host, its sshd or the "
+                "network to it went down); the stage's processes on the other nodes were ended")
+            return
 
 
 WATCHDOG = """

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import fnmatch
 import json
 import os
 import shlex
@@ -62,11 +63,19 @@ def launcher_of(cfg: PipelineConfig, stage: str) -> str:
     return "accelerate" if trainer and launcher in ("deepspeed", "torchrun") else launcher
 
 
+def deepspeed_runner(cfg: PipelineConfig) -> bool:
+    """Whether the deepspeed runner reaches the nodes itself, through its hostfile (pdsh or ssh): the deepspeed
+    launcher with a hostfile and node_launcher local. Under ssh and slurm, gptforge starts DeepSpeed's per-node
+    launcher on each node itself, as it does the other agents."""
+    d = cfg.distributed
+    return d.launcher == "deepspeed" and bool(d.hostfile) and d.node_launcher == "local"
+
+
 def hosts_rendezvous(cfg: PipelineConfig, stage: str) -> bool:
     """Whether this process hosts the stage's rendezvous store (see the module's docstring)."""
     launcher = launcher_of(cfg, stage)
     return not single_process(cfg, stage) and (launcher in ("gptforge", "torchrun") or launcher == "deepspeed"
-                                                and not cfg.distributed.hostfile)
+                                                and not deepspeed_runner(cfg))
 
 
 @contextmanager
@@ -125,14 +134,17 @@ def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
                "--main_process_ip", d.master_addr, "--main_process_port", str(port)]
         if d.nnodes > 1:
             cmd += ["--deepspeed_multinode_launcher", "standard", "--rdzv_backend", "c10d"]
-    elif d.hostfile:  # the deepspeed runner reaches the nodes itself (pdsh or ssh)
+            if d.node_launcher != "local":  # node 0 hosts it: what its hostname resolves to need not say so
+                cmd += ["--rdzv_conf", "__NODE_IS_HOST__"]
+    elif deepspeed_runner(cfg):  # the deepspeed runner reaches the nodes itself (pdsh or ssh)
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", d.master_addr,
                "--master_port", str(port), "--hostfile", d.hostfile]
         return [*cmd, "--module", module, *args]
-    else:  # one node: DeepSpeed's per-node launcher, started as its runner would (which imports DeepSpeed once more)
-        world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(d.nproc_per_node))}).encode()).decode()
-        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--node_rank=0",
-               f"--master_addr={d.master_addr}", f"--master_port={port}"]
+    else:  # DeepSpeed's per-node launcher, started as its runner would (which imports DeepSpeed once more)
+        hosts = {f"node{n}" if d.nnodes > 1 else "localhost": list(range(d.nproc_per_node)) for n in range(d.nnodes)}
+        world = base64.urlsafe_b64encode(json.dumps(hosts).encode()).decode()
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+               f"--node_rank={node}", f"--master_addr={d.master_addr}", f"--master_port={port}"]
         return [*cmd, "--module", module, *args]
     return [*cmd, "-m", module, *args]
 
@@ -140,21 +152,53 @@ def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
 def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: Path, inputs: dict[str, Path],
                   port: int | None, env: dict[str, str]) -> list[list[str]]:
     """The commands this process starts for a stage: one agent per node (local, ssh), one srun for all (slurm),
-    one launcher that reaches the nodes itself (a single node, or deepspeed with a hostfile)."""
+    one launcher that reaches the nodes itself (a single node, or the deepspeed runner with a hostfile). On ssh and
+    slurm nodes the agent runs under pipeline/on_node.py; over ssh, `env` is written down the channel as the
+    first line (run_streaming), not put on a command line."""
     d = cfg.distributed
-    if single_process(cfg, stage) or d.nnodes == 1 or launcher_of(cfg, stage) == "deepspeed":
+    if single_process(cfg, stage) or d.nnodes == 1 or launcher_of(cfg, stage) == "deepspeed" and deepspeed_runner(cfg):
         return [agent_command(cfg, stage, config_path, out_dir, inputs, d.node_rank, port)]
     if d.node_launcher == "local":
         return [agent_command(cfg, stage, config_path, out_dir, inputs, n, port) for n in range(d.nnodes)]
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+
+    ssh = d.node_launcher == "ssh"  # the environment goes down the channel, never on a command line (HF_TOKEN)
+
+    def on_node(node: int | str) -> str:  # the agent, under the node's side of the launch (pipeline/on_node.py)
+        addrs = ",".join(a or "" for a in node_addresses(cfg)) if any(node_addresses(cfg)) else ""
+        wrapper = [sys.executable, "-m", "gptforge.pipeline.on_node", f"--node={node}", f"--master={d.master_addr}",
+                   *([f"--addrs={addrs}"] if addrs else []), *(["--env-on-stdin"] if ssh else []), "--"]
+        return shlex.join([*wrapper, *agent_command(cfg, stage, config_path, out_dir, inputs, node, port)])
+
     if d.node_launcher == "ssh":
         hosts = read_hostfile(d.hostfile)
-        return [["ssh", "-o", "BatchMode=yes", host, f"cd {shlex.quote(os.getcwd())} && env {exports} "
-                 + shlex.join(agent_command(cfg, stage, config_path, out_dir, inputs, n, port))]
+        return [["ssh", *SSH_OPTIONS, host, f"cd {shlex.quote(os.getcwd())} && {on_node(n)}"]
                 for n, host in enumerate(hosts[:d.nnodes])]
-    agent = shlex.join(agent_command(cfg, stage, config_path, out_dir, inputs, SLURM_NODE, port))
+    # srun passes its own environment (run_streaming's `env` on top of this process's) to every task
     return [["srun", f"--nodes={d.nnodes}", f"--ntasks={d.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-             "bash", "-c", f"env {exports} " + agent.replace(SLURM_NODE, "$SLURM_NODEID")]]
+             "bash", "-c", on_node(SLURM_NODE).replace(SLURM_NODE, "$SLURM_NODEID")]]
+
+
+# ssh to a node: never a prompt; a node that stops answering (down, or the network between) ends it in about 30 s
+SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
+
+
+def node_addresses(cfg: PipelineConfig) -> list[str | None]:
+    """Each node's address as the others reach it: `distributed.node_addrs`, else the hostfile's entry where it
+    is an address; None where the node finds its own (its route to master_addr: pipeline/on_node.py)."""
+    import ipaddress
+
+    d = cfg.distributed
+    if d.node_addrs:
+        return list(d.node_addrs)
+    hosts = read_hostfile(d.hostfile)[:d.nnodes] if d.hostfile else []
+
+    def address(host: str) -> str | None:
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            return None
+
+    return [address(h) for h in hosts] + [None] * (d.nnodes - len(hosts))
 
 
 def read_hostfile(path: str) -> list[str]:
@@ -166,12 +210,27 @@ def read_hostfile(path: str) -> list[str]:
     return [line.split()[0] for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
+# What reaches every node's processes from the host that starts a stage, whatever launches it (srun forwards the
+# whole environment; ssh and the deepspeed runner almost nothing): the collectives' interfaces and settings, the
+# hub's cache and offline switches, thread counts and the modules of user code (rewards, tools, environments).
+FORWARDED = ("NCCL_*", "GLOO_*", "HF_*", "OMP_NUM_THREADS", "PYTHONPATH")
+
+
+def forwarded_env(cfg: PipelineConfig) -> dict[str, str]:
+    """FORWARDED's variables set here, then `distributed.env`."""
+    env = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in FORWARDED)}
+    return {**env, **cfg.distributed.env}
+
+
 def node_env(cfg: PipelineConfig, stage: str) -> dict[str, str]:
-    """Environment of a stage's processes: DeepSpeed's CPU accelerator where there is no GPU; the deepspeed
-    launcher's ranks as clients of the hosted store."""
+    """Environment of a stage's processes: what is forwarded to every node (FORWARDED, `distributed.env`);
+    DeepSpeed's CPU accelerator where there is no GPU; the deepspeed launcher's ranks as clients of the hosted
+    store."""
     import torch
 
-    env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
+    env = forwarded_env(cfg)
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
     if PARENT_ENV in os.environ:  # the pipeline's MLflow run, to nest the stage's under (on every node)
         env[PARENT_ENV] = os.environ[PARENT_ENV]
     if hosts_rendezvous(cfg, stage) and launcher_of(cfg, stage) == "deepspeed":

@@ -1,5 +1,6 @@
 import base64
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import ConfigError
-from gptforge.pipeline.nodes import node_commands, node_env
+from gptforge.pipeline.nodes import SSH_OPTIONS, node_commands, node_env
 from tests.conftest import TINY
 
 BATCHES = [f"{s}.global_batch_size=256" for s in ("pretrain", "sft", "reward", "preference")]
@@ -64,18 +65,59 @@ def test_torchrun_on_local_nodes_meets_at_the_hosted_store():
 
 def test_ssh_and_slurm_start_an_agent_on_every_node(tmp_path):
     hosts = tmp_path / "hosts"
-    hosts.write_text("# node 0 first\nnode-a slots=8\nnode-b slots=8\nnode-c slots=8\n")
+    hosts.write_text("# node 0 first\nnode-a slots=8\n10.0.0.2 slots=8\nnode-c slots=8\n")
     ssh = cmds("distributed.launcher=torchrun", "distributed.nnodes=2", "distributed.node_launcher=ssh",
                f"distributed.hostfile={hosts}", "distributed.master_addr=10.0.0.1")
-    assert [c[:4] for c in ssh] == [["ssh", "-o", "BatchMode=yes", "node-a"], ["ssh", "-o", "BatchMode=yes", "node-b"]]
-    assert "env DS_ACCELERATOR=cpu" in ssh[1][4] and "--node_rank=1" in ssh[1][4] and "10.0.0.1:4242" in ssh[1][4]
-    (srun,) = cmds("distributed.launcher=torchrun", "distributed.nnodes=4", "distributed.node_launcher=slurm")
+    assert [c[:-1] for c in ssh] == [["ssh", *SSH_OPTIONS, "node-a"], ["ssh", *SSH_OPTIONS, "10.0.0.2"]]
+    # under the node's side of the launch: the node's address (the hostfile's where it is one), the environment
+    # down the channel (never DS_ACCELERATOR=cpu, nor a token, on a command line)
+    remote = shlex.split(ssh[1][-1].split(" && ", 1)[1])
+    assert remote[:7] == [sys.executable, "-m", "gptforge.pipeline.on_node", "--node=1", "--master=10.0.0.1",
+                          "--addrs=,10.0.0.2", "--env-on-stdin"]
+    assert "--node_rank=1" in remote and "--rdzv_endpoint=10.0.0.1:4242" in remote
+    assert "DS_ACCELERATOR" not in ssh[1][-1]
+    (srun,) = cmds("distributed.launcher=torchrun", "distributed.nnodes=4", "distributed.node_launcher=slurm",
+                   "distributed.master_addr=10.0.0.1",
+                   "distributed.node_addrs=[10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4]")
     assert srun[:5] == ["srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert "--node_rank=$SLURM_NODEID" in srun[-1]
+    assert "--node_rank=$SLURM_NODEID" in srun[-1] and "--node=$SLURM_NODEID" in srun[-1]
+    assert "--addrs=10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4" in srun[-1]
     (dpo,) = cmds("distributed.launcher=torchrun", "distributed.nnodes=4", "distributed.node_launcher=slurm",
-                  stage="dpo", inputs={"sft": Path("s"), "reward": Path("r")})
+                  "distributed.master_addr=10.0.0.1", stage="dpo", inputs={"sft": Path("s"), "reward": Path("r")})
     assert "accelerate.commands.launch" in dpo[-1] and "--machine_rank '$SLURM_NODEID'" not in dpo[-1]
     assert "--machine_rank $SLURM_NODEID" in dpo[-1] and "--num_processes 8" in dpo[-1]
+    assert "--rdzv_conf __NODE_IS_HOST__" in dpo[-1]  # node 0 hosts accelerate's rendezvous, told so by on_node
+
+
+def test_deepspeed_over_ssh_starts_its_per_node_launcher_on_each_node(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-a slots=1\nnode-b slots=1\n")
+    nodes = cmds("distributed.launcher=deepspeed", "distributed.nnodes=2", "distributed.nproc_per_node=1",
+                 "distributed.node_launcher=ssh", f"distributed.hostfile={hosts}", "distributed.master_addr=10.0.0.1")
+    for rank, c in enumerate(nodes):
+        remote = shlex.split(c[-1].split(" && ", 1)[1])
+        agent = remote[remote.index("--") + 1:]
+        assert agent[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+        world = next(a for a in agent if a.startswith("--world_info=")).split("=", 1)[1]
+        assert json.loads(base64.urlsafe_b64decode(world)) == {"node0": [0], "node1": [0]}
+        assert f"--node_rank={rank}" in agent and "--master_addr=10.0.0.1" in agent
+    env = node_env(load_config(TINY, [*BATCHES, "distributed.launcher=deepspeed", "distributed.nnodes=2",
+                                      "distributed.node_launcher=ssh", f"distributed.hostfile={hosts}",
+                                      "distributed.master_addr=10.0.0.1"]), "pretrain")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # its ranks meet at the store the run hosts
+
+
+def test_the_environment_forwarded_to_every_node(monkeypatch):
+    for k, v in {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_TIMEOUT": "60", "HF_HOME": "/data/hf",
+                 "OMP_NUM_THREADS": "8", "PYTHONPATH": "/code", "UNRELATED": "x"}.items():
+        monkeypatch.setenv(k, v)
+    env = node_env(load_config(TINY, [*BATCHES, "distributed.env.NCCL_SOCKET_IFNAME=ib0", "distributed.env.N=4"]),
+                   "pretrain")
+    assert {k: env[k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_TIMEOUT", "HF_HOME", "OMP_NUM_THREADS",
+                                "PYTHONPATH", "N")} == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_TIMEOUT": "60",
+                                                       "HF_HOME": "/data/hf", "OMP_NUM_THREADS": "8",
+                                                       "PYTHONPATH": "/code", "N": "4"}
+    assert "UNRELATED" not in env
 
 
 def test_accelerate_uses_deepspeed_with_world_size():
@@ -94,6 +136,11 @@ def test_accelerate_uses_deepspeed_with_world_size():
      r"launcher=deepspeed reaches the other 1 node\(s\) through a hostfile"),
     (["distributed.nnodes=2", "distributed.launcher=torchrun", "distributed.node_launcher=ssh"],
      r"node_launcher=ssh needs distributed.hostfile"),
+    (["distributed.nnodes=2", "distributed.launcher=torchrun", "distributed.node_launcher=slurm"],
+     r"master_addr=127.0.0.1 is this host's loopback, which node_launcher=slurm sends the other nodes to"),
+    (["distributed.nnodes=2", "distributed.node_addrs=[10.0.0.1]"],
+     r"node_addrs gives 1 address\(es\) for nnodes=2"),
+    (["distributed.env.NOT-A-NAME=1"], r"env: 'NOT-A-NAME' is not an environment variable's name"),
 ])
 def test_impossible_layouts(overrides, message):
     with pytest.raises(ConfigError, match=message):

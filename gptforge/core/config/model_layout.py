@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from gptforge.core.config.base import Section, Setting, size_in_bytes
 from gptforge.core.presets import PRESETS
@@ -140,6 +140,16 @@ class ModelSection(Section):
         return self
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether an address or host name is this host's loopback (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
 class DistributedSection(Section):
     launcher: Literal["gptforge", "deepspeed", "torchrun", "accelerate"] = Setting(
         "gptforge", description="The agent each node runs: gptforge's own (ranks start at once, in its process group), "
@@ -157,6 +167,10 @@ class DistributedSection(Section):
                                       "free one for every stage, so that many runs share a host.")
     hostfile: str | None = Setting(None, same_result=True, description="Hosts, node 0 first ('host slots=N' a line): "
                                    "for node_launcher ssh and the deepspeed launcher across nodes.")
+    node_addrs: list[str] = Setting([], same_result=True, description="Each node's address the others reach, node 0 "
+                                    "first; empty: the hostfile's addresses, else each node's route to master_addr.")
+    env: dict[str, str] = Setting({}, same_result=True, description="Environment of every node's processes, over "
+                                  "what is forwarded (NCCL_*, GLOO_*, HF_*, OMP_NUM_THREADS, PYTHONPATH).")
     zero_stage: int = Setting(2, ge=0, le=3, description="ZeRO stage 0-3 (configs/deepspeed/zero<N>.json).")
     offload_optimizer: bool = Setting(False, description="Offload optimizer state to CPU memory (ZeRO 1-3).")
     activation_checkpointing: bool = Setting(False, description="Recompute activations in backward to save memory.")
@@ -173,20 +187,36 @@ class DistributedSection(Section):
     timeout_minutes: float = Setting(30, ge=1, same_result=True, description="The process group's timeout: a "
                                      "rank that stops answering in a collective fails the stage after it.")
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, v):  # YAML's numbers and booleans (OMP_NUM_THREADS: 4, X: yes) as a shell would write them
+        if isinstance(v, dict):
+            return {k: str(x).lower() if isinstance(x, bool) else str(x) if isinstance(x, (int, float)) else x
+                    for k, x in v.items()}
+        return v
+
     @model_validator(mode="after")
     def _layout(self):
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
-        if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
+        if self.launcher == "deepspeed" and self.nnodes > 1 and self.node_launcher == "local" and not self.hostfile:
             raise ValueError(f"launcher=deepspeed reaches the other {self.nnodes - 1} node(s) through a hostfile: set "
-                             "distributed.hostfile, or use launcher torchrun with a node_launcher")
+                             "distributed.hostfile (DeepSpeed's runner, pdsh), or node_launcher ssh or slurm")
         if self.world_size % self.sequence_parallel:
             raise ValueError(f"distributed.sequence_parallel={self.sequence_parallel} does not divide the world size "
                              f"{self.world_size} (nproc_per_node x nnodes)")
         if self.node_launcher == "ssh" and self.nnodes > 1 and not self.hostfile:
             raise ValueError("node_launcher=ssh needs distributed.hostfile (one host a line, node 0 first)")
+        if self.node_addrs and len(self.node_addrs) != self.nnodes:
+            raise ValueError(f"node_addrs gives {len(self.node_addrs)} address(es) for nnodes={self.nnodes}: one "
+                             "a node, node 0 first")
+        if self.node_launcher != "local" and self.nnodes > 1 and is_loopback(self.master_addr):
+            raise ValueError(f"master_addr={self.master_addr} is this host's loopback, which node_launcher="
+                             f"{self.node_launcher} sends the other nodes to: set it to an address they reach")
+        if bad := [k for k in self.env if not k.isidentifier()]:
+            raise ValueError(f"env: {bad[0]!r} is not an environment variable's name")
         return self
 
     @property
