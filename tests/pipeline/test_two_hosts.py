@@ -144,3 +144,27 @@ def test_a_node_lost_mid_stage_fails_it_naming_the_host_and_a_rerun_resumes(host
     assert manifest["metrics"]["val_loss"] == pytest.approx(pretrained[0]["metrics"]["val_loss"], abs=1e-5)
     assert logged(out_dir, "loss") == pytest.approx(logged(pretrained[1], "loss"), abs=1e-5)
     assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
+
+
+def test_sft_then_dpo_across_the_two_hosts(hosts, chain, dpo, tmp_path):
+    """SFT (ZeRO-3) and a TRL stage (DPO: an accelerate launch on each host, node-a hosting its rendezvous) across
+    the two hosts: the training of one host with 2 processes."""
+    from tests.conftest import DPO
+    from tests.helpers import copy_store
+
+    def rows(out_dir):
+        return [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+    cfg, path = two_hosts(chain["root"], tmp_path, *DPO, "distributed.zero_stage=3", "distributed.launcher=torchrun",
+                          "preference.log_every=10", "preference.save_every=10")
+    copy_store(chain["root"], tmp_path, "pretrain")
+    for stage in ("sft", "dpo"):
+        rc, out, manifest = run_on_a(hosts, path, stage)
+        assert rc == 0, out[-4000:]
+        assert manifest["world_size"] == 2 and "[node 1]" in out
+    sft_dir = locate(cfg, "sft")[0]
+    assert logged(sft_dir, "loss") == pytest.approx(logged(chain["sft"][1], "loss"), abs=2e-4)
+    logged_dpo = [r for r in rows(locate(cfg, "dpo")[0]) if "loss" in r]
+    each_step = [r["loss"] for r in rows(dpo[1]) if "loss" in r]
+    assert logged_dpo[-1]["loss"] == pytest.approx(sum(each_step) / len(each_step), abs=1e-3)
+    assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
