@@ -3,6 +3,10 @@ hosts file and sshd), their hostnames resolving to 127.0.0.1 on themselves as on
 on node-a reaches both over ssh (`node_launcher: ssh`), and trains only where each node is told its address."""
 
 import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -168,3 +172,124 @@ def test_sft_then_dpo_across_the_two_hosts(hosts, chain, dpo, tmp_path):
     each_step = [r["loss"] for r in rows(dpo[1]) if "loss" in r]
     assert logged_dpo[-1]["loss"] == pytest.approx(sum(each_step) / len(each_step), abs=1e-3)
     assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the process group, SIGKILL it after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+def wait_on(hosts, n: int, check: str, timeout: float, what: str, proc=None, log: Path | None = None) -> None:
+    """Wait until the Python snippet `check` exits 0 on host `n`."""
+    deadline = time.time() + timeout
+    while hosts.run(n, [sys.executable, "-c", check], check=False).returncode != 0:
+        assert proc is None or proc.poll() is None, f"{what} ended:\n" + (log.read_text()[-3000:] if log else "")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_tokenize_on_a_ray_cluster_across_the_two_hosts(hosts, tmp_path):
+    """A Ray head on node-a, a Ray node on node-b (1 CPU each, their own temp folders), tokenize started on node-a
+    with `tokenizer.cluster` at the head: both hosts run its tasks, and the shards are token for token those of
+    the stage's own local instance."""
+    from gptforge.pipeline.store import execute
+    from tests.stages.test_tokenize import MIXED
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(6):
+        (corpus / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"{w} number {i} of part {k}"}) + "\n"
+                                                        for i, w in enumerate(MIXED * 60)))
+    port = 6390
+    temp = [Path(f"/tmp/gfray{os.getpid()}{c}") for c in "ab"]  # (Ray's socket paths must stay short)
+    ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus=1", "--disable-usage-stats"]
+    env = hosts.env(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")  # (between the two namespaces alone)
+    logs = [open(tmp_path / f"ray-{c}.log", "w") for c in "ab"]
+    head = hosts.popen(0, [*ray, "--head", "--include-dashboard=false", f"--node-ip-address={ADDRS[0]}",
+                           f"--port={port}", f"--temp-dir={temp[0]}"], env=env, stdout=logs[0],
+                       stderr=subprocess.STDOUT)
+    nodes = [head]
+    try:
+        wait_on(hosts, 0, f"import socket; socket.create_connection(('{ADDRS[0]}', {port}), 1)", 120, "the Ray head",
+                head, tmp_path / "ray-a.log")
+        nodes.append(hosts.popen(1, [*ray, f"--address={ADDRS[0]}:{port}", f"--node-ip-address={ADDRS[1]}",
+                                     f"--temp-dir={temp[1]}"], env=env, stdout=logs[1], stderr=subprocess.STDOUT))
+        two = (f"import ray; ray.init(address='{ADDRS[0]}:{port}', logging_level='ERROR'); "
+               "assert ray.cluster_resources().get('CPU') == 2")
+        wait_on(hosts, 0, two, 120, "node-b to join", nodes[1], tmp_path / "ray-b.log")
+        local, path = config(tmp_path / "local", f"data.pretrain={corpus}")
+        cluster, path = config(tmp_path / "cluster", f"data.pretrain={corpus}",
+                               f"tokenizer.cluster={ADDRS[0]}:{port}")
+        run = ("import sys; from pathlib import Path; from gptforge.core.config import load_config; "
+               "from gptforge.pipeline.store import execute; execute(load_config(Path(sys.argv[1])), 'tokenize')")
+        done = hosts.run(0, [sys.executable, "-c", run, str(path)], cwd=ROOT, check=False, env=env, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        execute(local, "tokenize")
+        workers = [list(t.glob("session_*/logs/python-core-worker-*.log")) for t in temp]
+    finally:
+        for proc in nodes:
+            stop(proc, grace=3)  # (Ray takes half a minute to stop by itself)
+        for t in temp:
+            shutil.rmtree(t, ignore_errors=True)
+    assert workers[0] and workers[1], "a host ran none of the tasks"
+    dirs = [locate(c, "tokenize")[0] for c in (local, cluster)]
+    files = [sorted(f.name for f in (d / "shards").glob("*.bin")) for d in dirs]
+    assert files[0] == files[1] and len(files[0]) >= 6
+    for name in files[0]:
+        assert (dirs[0] / "shards" / name).read_bytes() == (dirs[1] / "shards" / name).read_bytes(), name
+    assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
+
+
+def test_a_stage_on_a_prefect_worker_of_the_other_host(hosts, tokenized, tmp_path):
+    """A Prefect server on node-a (its address), `gptforge deploy`, a process worker of pool `cpu` on node-b: the
+    pipeline run from node-a sends its stages to the worker (tokenize reused, pretrain computed), which trains on
+    node-b into the shared run.root."""
+    site = tmp_path / "site"
+    (site / "seen").mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(SITE)
+    cfg, path = config(tmp_path, "sft.enabled=false", "reward.enabled=false", "preference.enabled=false",
+                       "run.work_pools={pretrain: cpu}", "run.default_work_pool=cpu", "distributed.nproc_per_node=1",
+                       "pretrain.max_steps=10",
+                       "run.name=hosts")
+    tokenize_from(tokenized, cfg)
+    port = 4290
+    url = f"http://{ADDRS[0]}:{port}/api"
+    env = hosts.env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=url, PYTHONPATH=str(site),
+                    PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="1",
+                    PREFECT_CLIENT_RETRY_EXTRA_CODES="503", GPTFORGE_WARM_RANKS="0")  # (ranks forked: no site)
+    procs = []
+
+    def start(n, name, cmd):
+        procs.append(hosts.popen(n, cmd, env=env, cwd=ROOT, stdout=open(tmp_path / f"{name}.log", "w"),
+                                 stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    prefect = [sys.executable, "-m", "prefect"]
+    gptforge = [sys.executable, "-m", "gptforge.pipeline.cli"]
+    try:
+        server = start(0, "server", [*prefect, "server", "start", "--host", ADDRS[0], "--port", str(port)])
+        health = f"import urllib.request; urllib.request.urlopen('{url}/health', timeout=2)"
+        wait_on(hosts, 0, health, 240, "the Prefect server", server, tmp_path / "server.log")
+        deploy = hosts.run(0, [*gptforge, "deploy", "-c", str(path), "--name", "hosts"], env=env, cwd=ROOT,
+                           check=False, timeout=300)
+        assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        start(1, "worker", [*prefect, "worker", "start", "--pool", "cpu", "--type", "process", "--name", "on-b"])
+        run = hosts.run(0, [*gptforge, "run", "-c", str(path)], env=env, cwd=ROOT, check=False, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + (tmp_path / "worker.log").read_text()
+    finally:
+        for proc in reversed(procs):
+            stop(proc, grace=10)
+    record = json.loads((tmp_path / "hosts" / "run.json").read_text())
+    assert record["stages"]["pretrain"]["status"] == "complete"
+    assert (locate(cfg, "pretrain")[0] / "model" / "model.safetensors").exists()
+    assert {f.stem for f in (site / "seen").iterdir()} == {NAMES[1]}  # its rank ran on node-b alone

@@ -1,8 +1,5 @@
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -75,8 +72,8 @@ def test_a_bad_row_fails_the_stage_when_asked(small_cfg, corpus):
 @pytest.fixture
 def units_in_this_process(monkeypatch):
     """The stage's units encoded in this process rather than on a local Ray instance (a few seconds to start, and
-    not what these tests are about; the Ray path: test_a_ray_cluster_writes_the_same_shards_as_the_local_instance,
-    and test_listening.py)."""
+    not what these tests are about; the Ray path: tests/pipeline/test_two_hosts.py (a cluster across two hosts
+    against the local instance), and test_listening.py)."""
     from contextlib import contextmanager
 
     from gptforge.data.parallel import in_process
@@ -135,47 +132,6 @@ def test_a_cluster_nobody_answers_at_is_a_clear_error(small_cfg, tmp_path):
     assert proc.returncode == 1 and time.time() - t0 < 60
     assert proc.stderr.strip().splitlines()[-1].startswith("error: tokenizer.cluster=127.0.0.1:")
     assert "cannot reach a Ray cluster" in proc.stderr and "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
-def test_a_ray_cluster_writes_the_same_shards_as_the_local_instance(small_cfg, tmp_path):
-    """The same corpus tokenized by the stage's own local Ray instance and by a 2-CPU cluster started here on
-    127.0.0.1: token for token the same shards."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for k in range(5):
-        (corpus / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"{w} number {i} of part {k}"}) + "\n"
-                                                        for i, w in enumerate(MIXED * 60)))
-    port = free_port()
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    try:
-        local = small_cfg(f"data.pretrain={corpus}", "run.root=" + str(tmp_path / "local"))
-        cluster = small_cfg(f"data.pretrain={corpus}", "run.root=" + str(tmp_path / "cluster"),
-                            f"tokenizer.cluster=127.0.0.1:{port}")
-        deadline = time.time() + 60
-        while True:  # the head answers once its GCS is up
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline and head.poll() is None
-                time.sleep(0.5)
-        outputs = [execute(c, "tokenize") for c in (local, cluster)]
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(60)
-    dirs = [locate(c, "tokenize")[0] for c in (local, cluster)]
-    assert outputs[0]["fingerprint"] == outputs[1]["fingerprint"]  # where it runs does not change what it is
-    files = [sorted(f.name for f in (d / "shards").glob("*.bin")) for d in dirs]
-    assert files[0] == files[1] and len(files[0]) >= 5
-    for name in files[0]:
-        assert (dirs[0] / "shards" / name).read_bytes() == (dirs[1] / "shards" / name).read_bytes(), name
-    tokenizers = [(d / "tokenizer" / "tokenizer.json").read_bytes() for d in dirs]
-    assert tokenizers[0] == tokenizers[1]
 
 
 def test_chat_template_marks_assistant_tokens(small_cfg):
