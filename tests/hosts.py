@@ -43,7 +43,7 @@ def unavailable() -> str | None:
 class Hosts:
     """node-a (10.91.0.1) and node-b (10.91.0.2); `folder` holds their keys, configs and logs."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, loopback_names: bool = True):
         self.folder = folder
         self.bin = folder / "bin"
         self.netns = [f"gf{os.getpid()}{c}" for c in "ab"]
@@ -73,8 +73,11 @@ class Hosts:
                 etc = Path("/etc/netns") / ns
                 etc.mkdir(parents=True, exist_ok=True)
                 other = 1 - n
-                # a cloud image's hosts file: its own name on the loopback address
-                (etc / "hosts").write_text(f"127.0.0.1 localhost {NAMES[n]}\n{ADDRS[other]} {NAMES[other]}\n")
+                # a cloud image's hosts file: its own name on the loopback address (or, `loopback_names` off, on
+                # its address, as a cluster's DNS has it)
+                own = (f"127.0.0.1 localhost {NAMES[n]}\n" if loopback_names
+                       else f"127.0.0.1 localhost\n{ADDRS[n]} {NAMES[n]}\n")
+                (etc / "hosts").write_text(f"{own}{ADDRS[other]} {NAMES[other]}\n")
                 host = folder / f"host-{NAMES[n]}"
                 host.mkdir(exist_ok=True)
                 subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host / "host_key")],

@@ -49,7 +49,10 @@ def setup_distributed(dist=None, reserve: int = 0) -> tuple[int, int, torch.devi
     if cuda:
         torch.cuda.set_device(local_rank)
     else:  # each local rank gets its own share of the cores, pinned: no oversubscription, no migration
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        # (DeepSpeed's per-node launcher names it LOCAL_SIZE: read as the world, its ranks across 2 nodes of 1
+        # process each took half their node's cores, 0.6x torchrun's tokens a second; bench/two_hosts.py)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+                          or os.environ.get("WORLD_SIZE", "1"))
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) >= local_world + reserve:
             cpus = cpus[:len(cpus) - reserve]
