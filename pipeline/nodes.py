@@ -166,7 +166,7 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
     def on_node(node: int | str) -> str:  # the agent, under the node's side of the launch (pipeline/on_node.py)
         addrs = ",".join(a or "" for a in node_addresses(cfg)) if any(node_addresses(cfg)) else ""
         wrapper = [sys.executable, "-m", "gptforge.pipeline.on_node", f"--node={node}", f"--master={d.master_addr}",
-                   *([f"--addrs={addrs}"] if addrs else []), *(["--env-on-stdin"] if ssh else []), "--"]
+                   *([f"--addrs={addrs}"] if addrs else []), *(["--ssh"] if ssh else []), "--"]
         return shlex.join([*wrapper, *agent_command(cfg, stage, config_path, out_dir, inputs, node, port)])
 
     if d.node_launcher == "ssh":

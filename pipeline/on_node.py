@@ -1,7 +1,7 @@
 """What a node launcher (ssh, srun) runs on each node: the node's agent, given what only the node can know, and
 ended with the run that started it.
 
-    python -m gptforge.pipeline.on_node --node N --master ADDR [--addrs A0,A1,...] [--env-on-stdin] -- AGENT...
+    python -m gptforge.pipeline.on_node --node N --master ADDR [--addrs A0,A1,...] [--ssh] -- AGENT...
 
 - **Its address:** `--addrs`' entry N (`distributed.node_addrs`, or the hostfile's entry where it is an address),
   else the address this host reaches the master from (its route there), never what its hostname resolves to: many
@@ -12,7 +12,7 @@ ended with the run that started it.
   `is_host=true` on node 0 and `is_host=false` elsewhere (the accelerate launcher's rendezvous, which node 0 hosts).
 - **The environment** the run gives every node (pipeline/nodes.py: node_env) comes over ssh as stdin's first line,
   a JSON object, so that no token is on a command line.
-- **Ended with the run:** it reads its stdin, the ssh channel, to the end. Once the starting side is gone (the stage
+- **Ended with the run** (over ssh; srun ends its tasks itself): it reads its stdin, the ssh channel, to the end. Once the starting side is gone (the stage
   failed on another node, was cancelled, or the network between them went down), the agent and every process under
   it get SIGTERM, then SIGKILL after a grace period. It is their subreaper: torchrun's workers, in sessions of their
   own, are still found under it once their agent is gone. Its exit code is the agent's.
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--master", required=True)
     p.add_argument("--addrs", default="")
-    p.add_argument("--env-on-stdin", action="store_true", help="the environment's first line: a JSON object")
+    p.add_argument("--ssh", action="store_true", help="started over ssh: stdin is the channel (the environment, "
+                   "then its end is the run's)")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: node {args.node} ({host}): distributed.node_addrs has no entry for it", file=sys.stderr)
         return 2
     env = dict(os.environ)
-    if args.env_on_stdin:
+    if args.ssh:
         line = b""
         while not line.endswith(b"\n") and (chunk := os.read(0, 1)):  # (one byte at a time: the rest is the channel)
             line += chunk
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: gone.set())
     agent = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-    threading.Thread(target=watch_stdin, daemon=True).start()
+    if args.ssh:  # (srun ends its tasks itself; their stdin is /dev/null but task 0's)
+        threading.Thread(target=watch_stdin, daemon=True).start()
     while agent.poll() is None and not gone.wait(0.2):
         pass
     end_all(agent)  # the agent's leftovers when it ended by itself; everything when the run is gone

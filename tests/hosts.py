@@ -25,6 +25,14 @@ NAMES = ("node-a", "node-b")
 ADDRS = ("10.91.0.1", "10.91.0.2")
 
 
+def slurm_unavailable() -> str | None:
+    """Why a Slurm cluster of the two hosts cannot be made here, or None."""
+    for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
+        if not shutil.which(tool):
+            return f"{tool} is not installed (.ci/run installs slurm-wlm as root)"
+    return unavailable()
+
+
 def unavailable() -> str | None:
     """Why two hosts cannot be made here, or None."""
     if os.geteuid() != 0:
@@ -176,3 +184,74 @@ class Hosts:
                     pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # (its end of the veth pair with it)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+class Slurm:
+    """A Slurm cluster of the two hosts (Debian's slurm-wlm): slurmctld on node-a, a slurmd on each, munge for
+    their credentials (one munged a host, each its own socket). `env` is node-a's client environment (SLURM_CONF).
+
+    Each slurmd runs in its host's network and UTS namespaces but the machine's mount namespace: slurmd 22.05
+    always starts its cgroup plugin, which needs the machine's cgroup mounts (the hosts' own /sys hides them)."""
+
+    def __init__(self, hosts: Hosts):
+        self.hosts, self.procs = hosts, []
+        d = self.folder = hosts.folder / "slurm"
+        for sub in ("state", *(f"spool-{n}" for n in NAMES)):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        key = d / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # (autodetect refuses a hybrid v1/v2 host)
+        nodes = "".join(f"NodeName={name} NodeAddr={addr} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN\n"
+                        for name, addr in zip(NAMES, ADDRS))
+        self.confs = []
+        for n in range(2):
+            conf = d / f"slurm-{NAMES[n]}.conf"
+            conf.write_text(
+                f"ClusterName=gptforge\nSlurmctldHost={NAMES[0]}({ADDRS[0]})\nAuthType=auth/munge\n"
+                f"AuthInfo=socket={d}/munge-{n}.socket\nSlurmUser=root\nSlurmdUser=root\n"
+                f"StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool-%n\nSlurmctldPidFile={d}/slurmctld.pid\n"
+                f"SlurmdPidFile={d}/slurmd-%n.pid\nSlurmctldLogFile={d}/slurmctld.log\n"
+                f"SlurmdLogFile={d}/slurmd-%n.log\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
+                "SelectType=select/linear\nMpiDefault=none\nJobAcctGatherType=jobacct_gather/none\n"
+                "AccountingStorageType=accounting_storage/none\nReturnToService=2\n"
+                f"{nodes}PartitionName=all Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n")
+            self.confs.append(conf)
+        self.env = hosts.env(SLURM_CONF=str(self.confs[0]))
+        try:
+            for n in range(2):
+                self.procs.append(hosts.popen(n, ["munged", "-F", "--force", f"--key-file={key}",
+                                                  f"--socket={d}/munge-{n}.socket", f"--pid-file={d}/munged-{n}.pid",
+                                                  f"--log-file={d}/munged-{n}.log", f"--seed-file={d}/munged-{n}.seed"],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.time() + 30
+            while not all((d / f"munge-{n}.socket").exists() for n in range(2)):
+                assert time.time() < deadline, "munged never started"
+                time.sleep(0.1)
+            self.procs.append(hosts.popen(0, ["slurmctld", "-D", "-i"], env=self.env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+            for n in range(2):
+                self.procs.append(subprocess.Popen(
+                    ["nsenter", "-t", str(hosts.holders[n].pid), "-n", "-u", "--", "slurmd", "-D", "-N", NAMES[n]],
+                    env=hosts.env(SLURM_CONF=str(self.confs[n])), start_new_session=True,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.time() + 60
+            while self.run(["sinfo", "-h", "-t", "idle", "-o", "%D"]).stdout.strip() != "2":
+                assert time.time() < deadline, (d / "slurmctld.log").read_text()[-3000:]
+                time.sleep(0.5)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        """A Slurm client command on node-a."""
+        return self.hosts.run(0, cmd, env=self.env, check=False, **kw)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        self.procs = []

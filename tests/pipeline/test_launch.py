@@ -73,7 +73,7 @@ def test_ssh_and_slurm_start_an_agent_on_every_node(tmp_path):
     # down the channel (never DS_ACCELERATOR=cpu, nor a token, on a command line)
     remote = shlex.split(ssh[1][-1].split(" && ", 1)[1])
     assert remote[:7] == [sys.executable, "-m", "gptforge.pipeline.on_node", "--node=1", "--master=10.0.0.1",
-                          "--addrs=,10.0.0.2", "--env-on-stdin"]
+                          "--addrs=,10.0.0.2", "--ssh"]
     assert "--node_rank=1" in remote and "--rdzv_endpoint=10.0.0.1:4242" in remote
     assert "DS_ACCELERATOR" not in ssh[1][-1]
     (srun,) = cmds("distributed.launcher=torchrun", "distributed.nnodes=4", "distributed.node_launcher=slurm",

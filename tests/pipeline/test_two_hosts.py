@@ -293,3 +293,4 @@ def test_a_stage_on_a_prefect_worker_of_the_other_host(hosts, tokenized, tmp_pat
     assert record["stages"]["pretrain"]["status"] == "complete"
     assert (locate(cfg, "pretrain")[0] / "model" / "model.safetensors").exists()
     assert {f.stem for f in (site / "seen").iterdir()} == {NAMES[1]}  # its rank ran on node-b alone
+
