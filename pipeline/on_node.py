@@ -12,10 +12,11 @@ ended with the run that started it.
   `is_host=true` on node 0 and `is_host=false` elsewhere (the accelerate launcher's rendezvous, which node 0 hosts).
 - **The environment** the run gives every node (pipeline/nodes.py: node_env) comes over ssh as stdin's first line,
   a JSON object, so that no token is on a command line.
-- **Ended with the run** (over ssh; srun ends its tasks itself): it reads its stdin, the ssh channel, to the end. Once the starting side is gone (the stage
-  failed on another node, was cancelled, or the network between them went down), the agent and every process under
-  it get SIGTERM, then SIGKILL after a grace period. It is their subreaper: torchrun's workers, in sessions of their
-  own, are still found under it once their agent is gone. Its exit code is the agent's.
+- **Ended with the run** (over ssh; srun ends its tasks itself): it reads its stdin, the ssh channel, to the
+  end. Once the starting side is gone (the stage failed on another node, was cancelled, or the network between
+  them went down), the agent and every process under it get SIGTERM, then SIGKILL after a grace period. It is their
+  subreaper: torchrun's workers, in sessions of their own, are still found under it once their agent is gone. Its
+  exit code is the agent's.
 """
 
 from __future__ import annotations
