@@ -29,7 +29,7 @@ def slurm_unavailable() -> str | None:
     """Why a Slurm cluster of the two hosts cannot be made here, or None."""
     for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
         if not shutil.which(tool):
-            return f"{tool} is not installed (.ci/run installs slurm-wlm as root)"
+            return f"{tool} is not installed (apt-get install slurm-wlm munge, as root)"
     return unavailable()
 
 
