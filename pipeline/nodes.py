@@ -162,7 +162,8 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
         return [agent_command(cfg, stage, config_path, out_dir, inputs, n, port) for n in range(d.nnodes)]
 
     ssh = d.node_launcher == "ssh"  # the environment goes down the channel, never on a command line (HF_TOKEN)
-    addrs = node_addresses(cfg)
+    hosts = read_hostfile(d.hostfile)[:d.nnodes] if d.hostfile else []
+    addrs = node_addresses(cfg, hosts)
     addrs = ",".join(a or "" for a in addrs) if any(addrs) else ""  # (empty entries: those nodes find their own)
 
     def on_node(node: int | str) -> str:  # the agent, under the node's side of the launch (pipeline/on_node.py)
@@ -170,10 +171,9 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
                    *([f"--addrs={addrs}"] if addrs else []), *(["--ssh"] if ssh else []), "--"]
         return shlex.join([*wrapper, *agent_command(cfg, stage, config_path, out_dir, inputs, node, port)])
 
-    if d.node_launcher == "ssh":
-        hosts = read_hostfile(d.hostfile)
+    if ssh:
         return [["ssh", *SSH_OPTIONS, host, f"cd {shlex.quote(os.getcwd())} && {on_node(n)}"]
-                for n, host in enumerate(hosts[:d.nnodes])]
+                for n, host in enumerate(hosts)]
     # srun passes its own environment (run_streaming's `env` on top of this process's) to every task
     return [["srun", f"--nodes={d.nnodes}", f"--ntasks={d.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
              "bash", "-c", on_node(SLURM_NODE).replace(SLURM_NODE, "$SLURM_NODEID")]]
@@ -183,15 +183,15 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
 SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
 
 
-def node_addresses(cfg: PipelineConfig) -> list[str | None]:
-    """Each node's address as the others reach it: `distributed.node_addrs`, else the hostfile's entry where it
-    is an address; None where the node finds its own (its route to master_addr: pipeline/on_node.py)."""
+def node_addresses(cfg: PipelineConfig, hosts: list[str]) -> list[str | None]:
+    """Each node's address as the others reach it: `distributed.node_addrs`, else its entry of `hosts` (the
+    hostfile's) where that is an address; None where the node finds its own (its route to master_addr:
+    pipeline/on_node.py)."""
     import ipaddress
 
     d = cfg.distributed
     if d.node_addrs:
         return list(d.node_addrs)
-    hosts = read_hostfile(d.hostfile)[:d.nnodes] if d.hostfile else []
 
     def address(host: str) -> str | None:
         try:
