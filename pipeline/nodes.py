@@ -214,7 +214,9 @@ def read_hostfile(path: str) -> list[str]:
 # What reaches every node's processes from the host that starts a stage, whatever launches it (srun forwards the
 # whole environment; ssh and the deepspeed runner almost nothing): the collectives' interfaces and settings, the
 # hub's cache and offline switches, thread counts and the modules of user code (rewards, tools, environments).
-FORWARDED = ("NCCL_*", "GLOO_*", "HF_*", "OMP_NUM_THREADS", "PYTHONPATH")
+# OMP_*: OpenMP's runtime settings (OMP_NUM_THREADS, OMP_WAIT_POLICY, OMP_PROC_BIND) are a node's as much as the
+# launching host's
+FORWARDED = ("NCCL_*", "GLOO_*", "HF_*", "OMP_*", "PYTHONPATH")
 
 
 def forwarded_env(cfg: PipelineConfig) -> dict[str, str]:

@@ -109,14 +109,14 @@ def test_deepspeed_over_ssh_starts_its_per_node_launcher_on_each_node(tmp_path):
 
 def test_the_environment_forwarded_to_every_node(monkeypatch):
     for k, v in {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_TIMEOUT": "60", "HF_HOME": "/data/hf",
-                 "OMP_NUM_THREADS": "8", "PYTHONPATH": "/code", "UNRELATED": "x"}.items():
+                 "OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": "/code", "UNRELATED": "x"}.items():
         monkeypatch.setenv(k, v)
     env = node_env(load_config(TINY, [*BATCHES, "distributed.env.NCCL_SOCKET_IFNAME=ib0", "distributed.env.N=4"]),
                    "pretrain")
     assert {k: env[k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_TIMEOUT", "HF_HOME", "OMP_NUM_THREADS",
-                                "PYTHONPATH", "N")} == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_TIMEOUT": "60",
-                                                       "HF_HOME": "/data/hf", "OMP_NUM_THREADS": "8",
-                                                       "PYTHONPATH": "/code", "N": "4"}
+                                "OMP_WAIT_POLICY", "PYTHONPATH", "N")} == {
+        "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_TIMEOUT": "60", "HF_HOME": "/data/hf", "OMP_NUM_THREADS": "8",
+        "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": "/code", "N": "4"}
     assert "UNRELATED" not in env
 
 
