@@ -11,7 +11,7 @@ against 2.35 GiB, 1.11 GiB saved, 2.0x the 0.57 GiB model). A rank that held a w
 partitioned states (an export gathering the model at once, say) would save at most 1x. A ratio of the two peaks would
 not do: the ~1 GiB each process holds besides the model states (libraries, data, activations) brings it within a
 hair of any threshold (0.637, where the states alone give 0.625). The ZeRO-3 run exports in shards of at most 20 MB,
-a parameter at a time; both exports are printed, for a reader to compare (tests/test_bench.py does).
+a parameter at a time; both exports are printed, for a reader to compare (tests/bench/test_training.py does).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Longer context through the stages: sequence parallelism and tiled logits in pretrain, SFT, DPO, GRPO, RLOO and PPO
-against their plain runs. (YaRN's context extension: bench/yarn.py, run shrunk by tests/test_bench.py.)"""
+against their plain runs. (YaRN's context extension: bench/yarn.py, run shrunk by tests/bench/.)"""
 
 import shutil
 

@@ -4,7 +4,7 @@ file of the same problems (`#### n` answers), with no reward model and so no rew
 accuracy the SFT model had. PPO is also given the user's own function from a module in the working folder and a
 reward server on 127.0.0.1 (at weight 0, so that math_equal alone moves it): each is called from the launched
 processes, logged by name, and scores the evaluation. (GRPO rewarded the same way, and both over 3 seeds:
-bench/rlvr.py, run shrunk by tests/test_bench.py.)
+bench/rlvr.py, run shrunk by tests/bench/.)
 
 The model's chat template puts the answer right after the number that ends the question, so that a 2-layer model
 learns the task within the suite's time (a lookup at the last position; attending back to an operand takes it far

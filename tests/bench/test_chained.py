@@ -1,0 +1,56 @@
+"""The benches run on the session chain's store, shrunk: PPO, from a pretrained model, the demo's seeds and RLVR,
+async rollouts."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.bench.run import CHAINED, bench, sets
+from tests.helpers import UPSTREAM, copy_store
+
+pytestmark = pytest.mark.slow
+
+
+def test_ppo_bench(chain):
+    out = bench("ppo.py", "-c", str(chain["root"] / "pipeline.yaml"), "--prompts", "8", "--new-tokens", "4")
+    assert re.search(r"ratio cache/no cache: [\d.]+x", out), out
+    assert re.search(r"one PPO iteration .*\n  generation .*\n  scoring .*\n  training ", out), out
+
+
+def actions(run_dir: Path) -> dict[str, str]:
+    return {s: e["action"] for s, e in json.loads((run_dir / "run.json").read_text())["stages"].items()}
+
+
+def test_from_pretrained_bench(chain, tmp_path):
+    """On the session's pretrained model (its store copied: the bench's tokenize and pretrain are reused)."""
+    copy_store(chain["root"], tmp_path / "demo", "tokenize", "pretrain")
+    out = bench("from_pretrained.py", "--sft-steps", "3", "--root", str(tmp_path), *sets(CHAINED))
+    assert re.search(r"lora SFT: +exact_match [\d.]+", out) and re.search(r"full SFT: +exact_match", out), out
+    assert f"val_loss {chain['pretrain'][0]['metrics']['val_loss']}" in out  # the session's pretrained model
+
+
+def test_demo_seeds_and_rlvr_benches(chain, tmp_path):
+    """One store, the session chain's: bench/demo_seeds.py reuses its tokenize, pretrain, SFT and reward model and
+    computes SFT's evaluation and DPO; bench/rlvr.py reuses tokenize and pretrain (its SFT learns from its own
+    demonstrations)."""
+    copy_store(chain["root"], tmp_path, *UPSTREAM)
+    out = bench("demo_seeds.py", "--seeds", "0", "--root", str(tmp_path), *sets(CHAINED))
+    assert re.search(r"\| sft \| [\d.]+ \|", out) and "| dpo |" in out and "| reward accuracy |" in out, out
+    assert actions(tmp_path / "seed0") == {**dict.fromkeys(UPSTREAM, "reused"), "eval-sft": "computed",
+                                           "dpo": "computed", "eval-dpo": "computed"}
+    out = bench("rlvr.py", "--seeds", "0", "--root", str(tmp_path), "--problems", "200",
+                "--demonstrations", "200", *sets(CHAINED))
+    assert re.search(r"  sft: +[\d.]+ ± nan\n  grpo: +[\d.]+ ± nan  gain over SFT [+-][\d.]+ ± nan points", out), out
+    assert re.search(r"  ppo: +[\d.]+ ± nan  gain over SFT", out), out
+
+
+def test_async_rl_bench(chain, tmp_path):
+    """bench/async_rl.py on the session chain's store: PPO sync and async (a rollout worker), 4 steps each."""
+    copy_store(chain["root"], tmp_path, *UPSTREAM)
+    out = bench("async_rl.py", "--seeds", "0", "--algorithms", "ppo", "--root", str(tmp_path), "--steps", "4",
+                *sets(CHAINED))
+    assert re.search(r"\| ppo \| sync \| [\d.]+ ± nan \| [\d.]+ ± nan \|\n\| ppo \| async \| [\d.]+ ± nan", out), out
+    assert re.search(r"ppo step time sync / async: [\d.]+x", out), out
+    assert (tmp_path / "timeline.png").stat().st_size > 0

@@ -1,0 +1,25 @@
+"""The data benches, shrunk: tokenize and curate."""
+
+import re
+
+import pytest
+
+from tests.bench.run import bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_tokenize_bench(tmp_path):
+    out = bench("tokenize_bench.py", "--gb", "0.003", "--workers", "2")
+    assert re.search(r"ratio gptforge/baseline tokens/s: [\d.]+x \(target >= 1.5x\)", out), out
+
+
+def test_curate_bench():
+    """bench/curate.py shrunk: the stage and datatrove's own executor on the same planted corpus, their ratio, the
+    stage's memory at two sizes, and near-duplicate recall and precision against exact Jaccard (the figures at 1 GB
+    are bench/RESULTS.md's)."""
+    out = bench("curate.py", "--gb", "0.002", "--workers", "2")
+    assert re.search(r"ratio gptforge/baseline documents/s: [\d.]+x \(target >= 1.0x\); stage peak memory at full "
+                     r"size / at a tenth: [\d.]+x", out), out
+    recall, precision = map(float, re.search(r"recall ([\d.]+) .* precision ([\d.]+)", out).groups())
+    assert recall >= 0.9 and precision >= 0.95, out
