@@ -30,20 +30,6 @@ SMALL = [
 ]
 
 
-# The files that take longest, first: `make test` hands whole files to its two workers in collection order
-# (`--no-loadscope-reorder`; xdist would otherwise start with the files of most tests, and its longest, the benches,
-# came last: on 2026-12-04 the agentic bench, on one core, ran alone for the suite's last 5 minutes). Worker seconds
-# of each in a suite run that day, in order: 450, 506, 385, 372, 317, 303, 297, 265, 251.
-FIRST = ["bench/test_agentic.py", "pipeline/test_team.py", "stages/test_async_rollouts.py", "bench/test_training.py",
-         "pipeline/test_two_hosts.py", "bench/test_chained.py", "stages/test_pretrained.py", "bench/test_browser.py",
-         "bench/test_data.py"]
-
-
-def pytest_collection_modifyitems(items):
-    order = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: order.get(item.path.relative_to(ROOT / "tests").as_posix(), len(FIRST)))
-
-
 @pytest.fixture
 def small_cfg(tmp_path):
     """A fast tiny pipeline config rooted in tmp_path; extra overrides as arguments."""
