@@ -164,11 +164,11 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
     ssh = d.node_launcher == "ssh"  # the environment goes down the channel, never on a command line (HF_TOKEN)
     hosts = read_hostfile(d.hostfile)[:d.nnodes] if d.hostfile else []
     addrs = node_addresses(cfg, hosts)
-    addrs = ",".join(a or "" for a in addrs) if any(addrs) else ""  # (empty entries: those nodes find their own)
+    addrs_arg = ",".join(a or "" for a in addrs) if any(addrs) else ""  # (empty entries: those nodes find their own)
 
     def on_node(node: int | str) -> str:  # the agent, under the node's side of the launch (pipeline/on_node.py)
         wrapper = [sys.executable, "-m", "gptforge.pipeline.on_node", f"--node={node}", f"--master={d.master_addr}",
-                   *([f"--addrs={addrs}"] if addrs else []), *(["--ssh"] if ssh else []), "--"]
+                   *([f"--addrs={addrs_arg}"] if addrs_arg else []), *(["--ssh"] if ssh else []), "--"]
         return shlex.join([*wrapper, *agent_command(cfg, stage, config_path, out_dir, inputs, node, port)])
 
     if ssh:

@@ -11,7 +11,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # OpenMP threads that wait by sleeping, not spinning (set before torch loads libgomp; every process the tests start
 # inherits it). Two xdist workers share the 2 cores: a process running 2 threads beside the other worker's ranks
 # spun on the busy core at each parallel region's end. A 1-process pretrain of 60 steps beside one busy core took
-# 150 s (149 s of CPU) with OpenMP's default policy, 14 s with PASSIVE (13 s alone, default).
+# 150 s (149 s of CPU) with OpenMP's default policy, 14 s with PASSIVE (12 s alone, default).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import fcntl  # noqa: E402
