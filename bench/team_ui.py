@@ -10,7 +10,8 @@ tokenize on a `cpu` pool and pretrain on a `gpu` pool, and a process worker for 
    both slots: the browser opens A's run page, finds the Resume button, opens the approval form (the metrics of
    tokenize in its description), ticks approve, writes a note and submits it;
 2. A's pretrain then waits for B's slots: the browser finds its stage run in the state `Waiting for slots`;
-   B's pretraining, which would run on for as long as it is left, is then cancelled, which gives the slots back;
+   B's pretraining, which would run on for as long as it is left, is then cancelled, which gives the slots back
+   (its processes are stopped with SIGSTOP while they hold the slots, so that they leave the CPU to the UI);
 3. once A is done, its run page lists its child stage runs (tokenize and pretrain, on their pools).
 Saves approval-form.png, waiting-for-slots.png and child-runs.png to --out, and exits non-zero naming what was not
 seen.
@@ -78,6 +79,27 @@ def poll(predicate, timeout: float, every: float = 0.5):
     return False
 
 
+def stage_processes(stage: str, root: Path) -> list[int]:
+    """The processes of a stage of the run rooted at `root` (its agent and ranks share the command line)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace") if d.name.isdigit() else ""
+        except OSError:
+            continue
+        if f"gptforge.stages.{stage}" in cmd and str(root) in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def click_text(driver, text: str, tags: str = "button") -> bool:
     """Click the first visible element of `tags` whose text is `text`."""
     return driver.execute_script(
@@ -133,6 +155,7 @@ def main() -> int:
     gptforge = [sys.executable, "-m", "gptforge.pipeline.cli"]
     config = ["-c", str(ROOT / "configs" / "tiny.yaml")]
     seen: dict[str, bool] = {}
+    held: list[int] = []
     try:
         wait_healthy(api_url, start("server", [sys.executable, "-m", "prefect", "server", "start", "--host",
                                                "127.0.0.1", "--port", str(port)]))
@@ -152,6 +175,11 @@ def main() -> int:
                       r["state_type"] == "PAUSED" and r, timeout=400)
         wait("B's pretrain to hold both slots", lambda: api(api_url, "/v2/concurrency_limits/gptforge-gpus")
              ["active_slots"] == 2, timeout=400)
+        # B's pretraining only has to hold the slots while the browser looks: its agent and 2 ranks are stopped
+        # (SIGSTOP) until the cancel, rather than training on both cores beside the browser and the server
+        held = wait("B's pretraining agent and ranks", lambda: len(p := stage_processes("pretrain", work / "b")) >= 3
+                    and p, timeout=120, poll=0.5)
+        signal_all(held, signal.SIGSTOP)
         driver = browser()
         try:
             approve_in_the_form(driver, ui, api_url, paused, out, seen)
@@ -169,6 +197,7 @@ def main() -> int:
             driver.save_screenshot(str(out / "waiting-for-slots.png"))
             (b_stage,) = [r for r in flow_runs(api_url, "gptforge-stage") if "gptforge-run:b" in r["tags"]
                           and r["name"].startswith("pretrain")]
+            signal_all(held, signal.SIGCONT)  # a stopped process would hold the cancel's SIGTERM pending
             api(api_url, f"/flow_runs/{b_stage['id']}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
             a.wait(600)
             seen["A finished"] = a.returncode == 0
@@ -198,6 +227,7 @@ def main() -> int:
         seen["the note reached run.json"] = record["stages"]["pretrain"].get("approval", {}).get("note") == \
             "tokens look right"
     finally:
+        signal_all(held, signal.SIGCONT)
         for proc in reversed(procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -5,6 +5,7 @@ the pipeline's flow process; cancelling the pipeline cancels them; slots keep tw
 approval gate waits for a person; a changed data file starts a run of the served deployment; bad team settings are
 one error line."""
 
+import contextlib
 import json
 import os
 import signal
@@ -147,29 +148,45 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tokenized, tmp
     """pretrain on `gpu`, as a child flow run of the pipeline's (tokenize reused; computed on `cpu`: the approval
     test). SIGKILL the pipeline's flow process while pretrain trains: pretrain trains on, a rerun joins it rather
     than starting a second copy or failing on its lock, and the killed run is marked Crashed by the automation once
-    its heartbeats stop."""
-    cfg, path = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=600", "pretrain.save_every=10",
-                       "run.name=pools")  # 590 steps after the kill: far longer than the rerun takes to reach pretrain
+    its heartbeats stop. pretrain's processes are stopped (SIGSTOP) from the kill until the rerun has joined, so
+    that it is still training then however long the rerun takes to start, and continued (SIGCONT) after."""
+    from tests.pipeline.test_deployment import stage_pids
+
+    cfg, path = config(tmp_path, *PIPE, *POOLS, "pretrain.max_steps=40", "pretrain.save_every=10", "run.name=pools")
     copy_store(tokenized, tmp_path, "tokenize")
     first = team.start("pools-first", GPTFORGE + ["run", "-c", str(path)])
     ckpt = locate(cfg, "pretrain")[0] / "checkpoints" / "step-00000010" / "complete.json"
     wait_for(lambda: ckpt.exists() or first.poll() is not None, 400, "pretrain's first checkpoint")
     assert first.poll() is None, team.log("pools-first")
-    os.killpg(first.pid, signal.SIGKILL)  # the pipeline's flow process and everything it started itself
-    first.wait()
+    held = [p for p in stage_pids(str(tmp_path)) if "gptforge.stages.pretrain" in (Path("/proc") / str(p) /
+                                                                                      "cmdline").read_text()]
+    assert len(held) >= 3, held  # the agent and its 2 ranks
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        os.killpg(first.pid, signal.SIGKILL)  # the pipeline's flow process and everything it started itself
+        first.wait()
+        with team.api() as client:
+            (pretrain,) = stage_runs(client, "pools")["pretrain"]
+            assert client.read_flow_run(pretrain.id).state.is_running()  # on the gpu worker, not the killed group
+            killed = pipeline_run_of(client, "pools")
+            again = team.start("pools-again", GPTFORGE + ["run", "-c", str(path)])
+            wait_for(lambda: "joining flow run" in team.log("pools-again") or again.poll() is not None, 300,
+                     "the rerun to join pretrain's flow run")
+            assert "joining flow run" in team.log("pools-again"), team.log("pools-again")
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert again.wait(600) == 0, team.log("pools-again")
     with team.api() as client:
-        (pretrain,) = stage_runs(client, "pools")["pretrain"]
-        assert client.read_flow_run(pretrain.id).state.is_running()  # on the gpu worker, not in the killed group
-        killed = pipeline_run_of(client, "pools")
-        again = team.gptforge("run", "-c", str(path))
-        assert "joining flow run" in again.stdout + again.stderr
         runs = stage_runs(client, "pools")
         assert runs.keys() == {"pretrain"} and len(runs["pretrain"]) == 1  # nothing ran twice (tokenize: reused)
         pools = {step: client.read_flow_run(r[0].id) for step, r in runs.items()}
         assert {s: r.work_pool_name for s, r in pools.items()} == {"pretrain": "gpu"}
         assert all(r.state.is_completed() and r.parent_task_run_id is not None for r in pools.values())
     stages = record(cfg)["stages"]
-    assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 600
+    assert stages["pretrain"]["status"] == "complete" and stages["pretrain"]["metrics"]["global_step"] == 40
     team.killed_pipeline = killed.id  # checked Crashed at the end of this module (three heartbeats later)
 
 
