@@ -231,11 +231,13 @@ def main() -> int:
         for proc in reversed(procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.time() + 20  # one grace period for all, not 20 s for each in turn
         for proc in procs:
             try:
-                proc.wait(20)
+                proc.wait(max(deadline - time.time(), 0.1))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     for what, ok in seen.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
     print(f"screenshots: {sorted(p.name for p in out.glob('*.png'))} in {out}; logs in {work}")
