@@ -19,13 +19,14 @@ DEPLOYMENT = "gptforge-pipeline/gptforge-test"
 PIPE = ["sft.enabled=false", "reward.enabled=false", "preference.enabled=false"]
 
 
-def stage_pids(marker: str) -> list[int]:
-    """Processes whose command line mentions `marker` (the test's run root)."""
+def stage_pids(marker: str, *also: str) -> list[int]:
+    """Processes whose command line mentions `marker` (the test's run root) and each of `also`."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if marker in (d / "cmdline").read_bytes().decode(errors="replace") and int(d.name) != os.getpid():
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                if all(m in cmd for m in (marker, *also)) and int(d.name) != os.getpid():
                     pids.append(int(d.name))
             except OSError:
                 pass

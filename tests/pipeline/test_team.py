@@ -146,13 +146,6 @@ def record(cfg) -> dict:
     return json.loads((Path(cfg.run.root) / cfg.run.name / "run.json").read_text())
 
 
-def cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace")
-    except OSError:  # ended since
-        return ""
-
-
 def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tokenized, tmp_path):
     """pretrain on `gpu`, as a child flow run of the pipeline's (tokenize reused; computed on `cpu`: the approval
     test). SIGKILL the pipeline's flow process while pretrain trains: pretrain trains on, a rerun joins it rather
@@ -167,7 +160,7 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tokenized, tmp
     ckpt = locate(cfg, "pretrain")[0] / "checkpoints" / "step-00000010" / "complete.json"
     wait_for(lambda: ckpt.exists() or first.poll() is not None, 400, "pretrain's first checkpoint")
     assert first.poll() is None, team.log("pools-first")
-    held = [p for p in stage_pids(str(tmp_path)) if "gptforge.stages.pretrain" in cmdline(p)]
+    held = stage_pids(str(tmp_path), "gptforge.stages.pretrain")
     assert len(held) >= 3, held  # the agent and its 2 ranks
     for pid in held:
         os.kill(pid, signal.SIGSTOP)
@@ -213,8 +206,7 @@ def test_cancelling_the_pipeline_cancels_its_stage_runs(team, tokenized, tmp_pat
         run = run_deployment("gptforge-pipeline/team-test", parameters={"config": cfg.model_dump(mode="json")},
                              timeout=0)
         marker = str(tmp_path)
-        wait_for(lambda: any("gptforge.stages.pretrain" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
-                             for p in stage_pids(marker) if Path(f"/proc/{p}").exists()), 400, "pretrain's ranks")
+        wait_for(lambda: stage_pids(marker, "gptforge.stages.pretrain"), 400, "pretrain's ranks")
         time.sleep(3)
         client.set_flow_run_state(run.id, Cancelling(), force=True)
         t0 = time.time()
