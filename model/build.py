@@ -22,7 +22,8 @@ def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | 
 
     # Special-token ids come from the tokenizer; GPT2Config's defaults (50256) may not exist in it.
     tokens = tokens or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if arch.family == "gpt2":
+    kind = model_type(arch, model_cfg)
+    if kind == "gpt2":
         cfg = GPT2Config(vocab_size=vocab_size, n_positions=arch.n_positions, n_embd=arch.n_embd,
                          n_layer=arch.n_layer, n_head=arch.n_head, n_inner=arch.intermediate_size,
                          activation_function="gelu_new", resid_pdrop=dropout, embd_pdrop=dropout,
@@ -33,13 +34,11 @@ def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | 
                       intermediate_size=arch.intermediate_size or _llama_mlp(arch.n_embd),
                       max_position_embeddings=arch.n_positions, attention_dropout=dropout,
                       tie_word_embeddings=False, use_cache=True, **tokens)
-        if arch.is_moe:
+        if kind == "mixtral":
             cfg = MixtralConfig(**common, num_local_experts=arch.n_experts, num_experts_per_tok=arch.experts_per_token,
                                 output_router_logits=True, router_aux_loss_coef=0.01)  # Mixtral's coefficient
-        elif model_cfg is not None and model_cfg.sliding_window is not None:
-            cfg = MistralConfig(**common)
         else:
-            cfg = LlamaConfig(**common)
+            cfg = {"mistral": MistralConfig, "llama": LlamaConfig}[kind](**common)
         if model_cfg is not None and model_cfg.rope_theta is not None:
             cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": model_cfg.rope_theta}
     section = model_cfg or ModelSection()
@@ -48,6 +47,16 @@ def hf_config(arch: Arch, vocab_size: int, dropout: float = 0.0, tokens: dict | 
                                          "local_window": arch.local_window})
     cfg._attn_implementation = configure(cfg, section)
     return cfg
+
+
+def model_type(arch: Arch, model_cfg=None) -> str:
+    """The transformers model type `hf_config` builds for this architecture: gpt2, mixtral (routed experts),
+    mistral (a model section's sliding window) or llama."""
+    if arch.family == "gpt2":
+        return "gpt2"
+    if arch.is_moe:
+        return "mixtral"
+    return "mistral" if model_cfg is not None and model_cfg.sliding_window is not None else "llama"
 
 
 def arch_of(config) -> Arch:

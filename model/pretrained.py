@@ -272,6 +272,35 @@ def stop_tokens_of(model) -> list[int]:
 
 
 
+def roles(cfg) -> list[tuple[str, str, str]]:
+    """(key, model name, kind for `check_model`) of each model the config names for a role beside the policy."""
+    pc = cfg.preference
+    named = [("reward.pretrained", cfg.reward.pretrained, "any"), ("preference.reference", pc.reference, "causal-lm"),
+             ("preference.reward_model", pc.reward_model, "sequence-classifier"),
+             ("preference.ppo.critic", pc.ppo.critic, "any")]
+    return [(key, name, kind) for key, name, kind in named if name]
+
+
+def modeling_modules(cfg) -> list[str]:
+    """The transformers modules that hold the classes of the models a stage of `cfg` builds or loads: the policy's
+    family (the preset's, or model.pretrained's model type) and each role's (`roles`), read from config.json alone.
+    transformers imports them on a process's first model (about 2 s of a CPU core)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    from gptforge.model.build import model_type
+
+    named = [(key, name, None) for key, name, _ in roles(cfg)]
+    if cfg.model.pretrained:
+        named.append(("model.pretrained", cfg.model.pretrained, cfg.model.revision))
+    types = set() if cfg.model.pretrained else {model_type(cfg.model.arch(), cfg.model)}
+    for key, name, revision in named:
+        config = model_dir(name, revision, key) / "config.json"
+        if config.is_file():
+            types.add(json.loads(config.read_text()).get("model_type"))
+    names = [model_type_to_module_name(t) for t in sorted(types - {None})]
+    return ["transformers.modeling_utils", *(f"transformers.models.{n}.modeling_{n}" for n in names)]
+
+
 def check_models(cfg) -> None:
     """Every model the config starts from, checked before anything runs (`check_model`); its RoPE scaling, windows
     and sequence parallelism against its own family, heads and context; the attention kernel where the stages run
@@ -296,13 +325,8 @@ def check_models(cfg) -> None:
             sequence_parallel.check(config, sp, cfg.sft.max_length, "sft.max_length")
     if not cfg.run.work_pools and not cfg.run.default_work_pool:
         kernel(cfg.model.attention)
-    pc = cfg.preference
-    roles = [("reward.pretrained", cfg.reward.pretrained, "any"), ("preference.reference", pc.reference, "causal-lm"),
-             ("preference.reward_model", pc.reward_model, "sequence-classifier"),
-             ("preference.ppo.critic", pc.ppo.critic, "any")]
-    for key, name, kind in roles:
-        if name:
-            check_model(name, None, cfg.model.trust_remote_code, key, kind)
+    for key, name, kind in roles(cfg):
+        check_model(name, None, cfg.model.trust_remote_code, key, kind)
     sections = [(n, getattr(cfg, n)) for n in ("pretrain", "sft", "reward", "preference")]
     named = [(n, s.lora) for n, s in sections if s.enabled and s.lora.r and s.lora.target_modules != "all-linear"]
     if not named:

@@ -19,9 +19,11 @@ cores). The first rank that fails ends the others (SIGTERM, then SIGKILL after a
 with its code; SIGTERM and SIGINT sent to the agent reach every rank.
 
 Warm ranks: on a node without an accelerator (DS_ACCELERATOR=cpu, which the pipeline sets there), the agent
-imports the stage's module once (torch, transformers, DeepSpeed, gptforge: about 6 s of a CPU core) and forks each
-rank from itself, which then runs the module as `python -u -m` would, with its own environment and stdin: the ranks'
-imports cost one core once instead of every core at once (bench/startup.py times the start). On a GPU node each
+imports the stage's module once (torch, transformers, DeepSpeed, gptforge: about 6 s of a CPU core), and what its
+ranks will import as they run (gptforge.stages.entry.preload: the modelling code of the config's models, a TRL
+trainer's modules), and forks each rank from itself, which then runs the module as `python -u -m` would, with its
+own environment and stdin: the ranks' imports cost one core once instead of every core at once (bench/startup.py
+times the start). On a GPU node each
 rank starts as a process of its own: a process forked from one that has touched the CUDA driver (DeepSpeed asks
 for the devices as it is imported) cannot use it. GPTFORGE_WARM_RANKS=0 turns it off; a module that does not
 import here starts its ranks as processes too, which then report the error themselves.
@@ -40,6 +42,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of the ranks left when one failed
 
@@ -78,18 +81,24 @@ def exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
-def warm(module: str, nproc: int) -> bool:
-    """Import the stage's module here, for its ranks to fork from (see the module's docstring): whether they can."""
+def warm(module: str, args: list[str], nproc: int) -> bool:
+    """Import the stage's module here, for its ranks (started with `args`) to fork from (see the module's
+    docstring): whether they can."""
     if os.environ.get("DS_ACCELERATOR") != "cpu" or os.environ.get("GPTFORGE_WARM_RANKS", "1") == "0":
         return False
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what each rank's torch is imported under (rank_env)
     try:
-        importlib.import_module(module)
+        stage = importlib.import_module(module)
         if "gptforge.model.train.distributed" in sys.modules:  # its ranks join a process group: DeepSpeed's import too
             sys.modules["gptforge.model.train.distributed"].import_deepspeed()
     except BaseException:  # noqa: BLE001 - each rank, started on its own, imports it again and reports the error
         return False
+    if "gptforge.stages.entry" in sys.modules:  # a stage: what its ranks import as they run, too
+        try:
+            sys.modules["gptforge.stages.entry"].preload(stage, args)
+        except Exception:  # noqa: BLE001 - each rank imports what it needs itself, and reports what fails
+            pass
     torch = sys.modules.get("torch")
     return torch is None or not torch.cuda.is_initialized()
 
@@ -112,6 +121,9 @@ def fork_rank(module: str, args: list[str], env: dict[str, str]) -> int:
             setattr(sys, name, io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False), write_through=True,
                                                 encoding=stream.encoding, errors=stream.errors))
         sys.argv = [module, *args]
+        # runpy warns that the module it runs as __main__ is imported already: here, by design (its code runs
+        # again as __main__, on the imports it made)
+        warnings.filterwarnings("ignore", f"'{module}' found in sys.modules", RuntimeWarning)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
@@ -167,7 +179,7 @@ def run(cmd: list[str], nproc: int, nnodes: int, node_rank: int, master_addr: st
     code, or 0."""
     envs = [rank_env(os.environ, nproc, nnodes, node_rank, r, master_addr, master_port) for r in range(nproc)]
     module, args = cmd[3], cmd[4:]
-    if warm(module, nproc):
+    if warm(module, args, nproc):
         procs = [Forked(fork_rank(module, args, env)) for env in envs]
     else:
         procs = [subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL) for env in envs]

@@ -28,6 +28,8 @@ from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.entry import exit_process, main
 from gptforge.stages.registry import data_parallel
 
+# imported by its ranks once they have joined their group; by the warm agent before (gptforge.stages.entry.preload)
+RANK_IMPORTS = ("datasets", "trl.trainer.dpo_trainer")
 
 
 def as_dataset(pairs: list[dict]):

@@ -10,6 +10,7 @@ stage has finished, rank 0 writes `result.json` (its final metrics) into the out
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -75,8 +76,29 @@ def peak_memory(rank: int) -> dict:
         {"peak_device_memory_gib": round(peaks[1], 3)} if device is not None else {})
 
 
-def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m gptforge.stages.{stage}")
+# What every stage's ranks import as they run, beyond their stage's module (`preload`): PEFT (asked of every model
+# they build) and the metrics log's TensorBoard writer.
+RANK_IMPORTS = ("peft", "torch.utils.tensorboard")
+
+
+def preload(module, argv: list[str]) -> None:
+    """Import what each rank of the stage `module` (started with `argv`) will import as it runs: RANK_IMPORTS, the
+    transformers modules of the config's models, and the module's own RANK_IMPORTS (a TRL trainer's modules, which
+    its stage imports once its ranks have joined their group). The warm agent (gptforge.pipeline.agent) calls this
+    before it forks the ranks, which then find these imported rather than importing them each on its own."""
+    from gptforge.model.pretrained import modeling_modules
+    from gptforge.model.train.distributed import no_integrations
+
+    args, _ = parser(module.__name__).parse_known_args(argv)
+    no_integrations()
+    for name in (*RANK_IMPORTS, *modeling_modules(load_config(args.config, args.set)),
+                 *getattr(module, "RANK_IMPORTS", ())):
+        importlib.import_module(name)
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    """A stage module's command line."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}")
     parser.add_argument("--config", "-c", required=True, help="pipeline YAML")
     parser.add_argument("--out", required=True, type=Path, help="output folder (resumes from its checkpoints)")
     parser.add_argument("--input", action="append", default=[], metavar="STAGE=DIR",
@@ -84,7 +106,11 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     # Launchers may append --local_rank; the rank is read from the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
+    args = parser(f"gptforge.stages.{stage}").parse_args(argv)
     try:
         inputs = dict(_input(item) for item in args.input)
         cfg = load_config(args.config, args.set)

@@ -58,6 +58,9 @@ from gptforge.model.train.tiling import logit_tiles, token_logprobs
 from gptforge.model.pretrained import load_dtype, load_policy, model_dir, reference_dir, reference_is_policy
 from gptforge.stages.entry import exit_process, main
 
+# its log-probabilities' kernels (gptforge.model.train.tiling), which import TRL's utilities as they are first used;
+# imported by the warm agent before it forks the ranks (gptforge.stages.entry.preload)
+RANK_IMPORTS = ("trl.trainer.utils",)
 
 
 def episode_metrics(episodes, device) -> dict:

@@ -18,6 +18,9 @@ from gptforge.core.config import PipelineConfig
 from gptforge.model.train import trl_online
 from gptforge.stages.entry import exit_process, main
 
+# imported by its ranks once they have joined their group; by the warm agent before (gptforge.stages.entry.preload)
+RANK_IMPORTS = ("trl.trainer.rloo_trainer",)
+
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     return trl_online.train(cfg, inputs, out_dir, "rloo", "RLOO")

@@ -32,9 +32,7 @@ def setup_distributed(dist=None, reserve: int = 0) -> tuple[int, int, torch.devi
     timeout = timedelta(minutes=dist.timeout_minutes if dist is not None else 30)
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout.total_seconds()) + 60))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
-    # transformers' MLflow callback and TRL's profiling import MLflow when it is installed (seconds of each rank's
-    # start); gptforge tracks to MLflow itself (gptforge.model.train.tracking) and reports nothing through them
-    os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
+    no_integrations()
     if "RANK" not in os.environ:  # no launcher: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -65,6 +63,13 @@ def setup_distributed(dist=None, reserve: int = 0) -> tuple[int, int, torch.devi
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def no_integrations() -> None:
+    """The environment transformers and TRL are imported under in a stage's processes: transformers' MLflow callback
+    and TRL's profiling import MLflow when it is installed (seconds of each rank's start); gptforge tracks to MLflow
+    itself (gptforge.model.train.tracking) and reports nothing through them."""
+    os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
 
 
 MUON = "deepspeed.runtime.zero.muon"  # its modules muon_optimizer and original_muon

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from gptforge.pipeline.agent import rank_env
+from tests.helpers import config
 
 RANK = textwrap.dedent("""
     import os, sys, time
@@ -89,3 +90,23 @@ def test_a_cancelled_agent_ends_every_rank(tmp_path, how):
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(30) == 128 + signal.SIGTERM
     assert all(gone(pid) for pid in ranks)
+
+
+WARMED = textwrap.dedent("""
+    import sys
+    from gptforge.pipeline.agent import warm
+    assert warm(sys.argv[1], ["--config", sys.argv[2], "--out", sys.argv[3]], nproc=2)
+    print(*sys.modules)
+""")
+
+
+def test_a_warm_agent_imports_what_its_ranks_will_before_it_forks_them(tmp_path):
+    """The stage's module, and what its ranks would otherwise each import as they run: the modelling code of the
+    config's model family (Llama here, not GPT-2) and the stage's own (PPO's: TRL's utilities)."""
+    _, path = config(tmp_path, "model.preset=llama-tiny")
+    imported = set(subprocess.run([sys.executable, "-c", WARMED, "gptforge.stages.ppo", str(path), str(tmp_path)],
+                                  env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                                  check=True).stdout.split())
+    assert {"gptforge.stages.ppo", "deepspeed", "transformers.models.llama.modeling_llama", "trl.trainer.utils", "peft",
+            "torch.utils.tensorboard"} <= imported
+    assert "transformers.models.gpt2.modeling_gpt2" not in imported
