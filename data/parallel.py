@@ -70,12 +70,22 @@ def ray_instance(address: str | None, workers: int):
         # loopback, and takes the node's address for 127.0.0.1 only with ENABLE_RAY_CLUSTER off (what
         # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 sets at import; _private/services.py: resolve_ip_for_localhost).
         # Otherwise everything listens on every interface of the host.
+        # Its workers get ENV as the raylet's children, which inherit this process's environment: a job-wide
+        # runtime_env would have the raylet start a second set of workers for it, besides those it starts at once
+        # (a second of each worker's CPU, and a second more before the first task runs).
         cluster, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+        saved = {k: os.environ.get(k) for k in ENV}
+        os.environ.update(ENV)
         try:
             ray.init(address="local", num_cpus=workers, include_dashboard=False, configure_logging=False,
-                     object_store_memory=256 << 20, runtime_env={"env_vars": ENV})
+                     object_store_memory=256 << 20)
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = cluster
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     else:
         check_reachable(address)
         ray.init(address=address, configure_logging=False, runtime_env={"env_vars": ENV})
