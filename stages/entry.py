@@ -58,17 +58,17 @@ def run_rank(run: RunFn, cfg: PipelineConfig, inputs: dict[str, Path], out_dir: 
 
 def peak_memory(rank: int) -> dict:
     """This process's peak resident host memory (and accelerator memory allocated), printed for each rank; the
-    largest over the ranks as the stage's `peak_host_memory_gib` (`peak_device_memory_gib`)."""
+    largest over the ranks as the stage's `peak_host_memory_gib` (`peak_device_memory_gib`). A stage that never
+    imported torch (tokenize, curate) used no accelerator and joined no group: it is not imported for this."""
     import resource
 
-    import torch
-
+    torch = sys.modules.get("torch")
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    device = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    device = torch.cuda.max_memory_allocated() / 2**30 if torch is not None and torch.cuda.is_available() else None
     print(f"[memory] rank {rank}: peak host {host:.3f} GiB" + (f", device {device:.3f} GiB" if device else ""),
           file=sys.stderr, flush=True)
     peaks = [host, device or 0.0]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         t = torch.tensor(peaks, dtype=torch.float64, device="cuda" if device is not None else "cpu")
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         peaks = t.tolist()
