@@ -81,11 +81,12 @@ def corpus(folder: Path, gb: float, seed: int = 0) -> tuple[list[tuple[str, str]
                      + STOP * 400, dtype=object)
     pairs, written, files = [], 0, [folder / f"part-{k:02d}.jsonl" for k in range(FILES)]
     target = gb * 1e9 / FILES
+    per_write = max(1, min(1000, int(target / 1200)))  # documents of about 1.2 KB, written a batch at a time
     for path in files:
         with open(path, "w") as f:
             while f.tell() < target:
                 batch = []
-                for _ in range(1000):
+                for _ in range(per_write):
                     words = vocab[rng.integers(0, len(vocab), 170)]
                     doc = " ".join(words)
                     batch.append(doc)
