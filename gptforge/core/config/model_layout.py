@@ -184,8 +184,9 @@ class DistributedSection(Section):
                                              "MLPs from 4096 tokens).")
     logits_tile_mb: int = Setting(1024, ge=1, same_result=True, description="Largest fp32 logits tile of a "
                                   "micro-batch's loss, in MiB (tiling auto and on).")
-    timeout_minutes: float = Setting(30, ge=1, same_result=True, description="The process group's timeout: a "
-                                     "rank that stops answering in a collective fails the stage after it.")
+    timeout_minutes: float = Setting(30, gt=0, same_result=True, description="The process group's timeout: a "
+                                     "rank that stops answering in a collective fails the stage after it (0.5: "
+                                     "30 s).")
 
     @field_validator("env", mode="before")
     @classmethod
