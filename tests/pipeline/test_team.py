@@ -176,9 +176,7 @@ def test_stages_run_on_their_pools_and_outlive_the_pipeline(team, tokenized, tmp
                      "the rerun to join pretrain's flow run")
             assert "joining flow run" in team.log("pools-again"), team.log("pools-again")
     finally:
-        for pid in held:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        resume(held)
     assert again.wait(600) == 0, team.log("pools-again")
     with team.api() as client:
         runs = stage_runs(client, "pools")
@@ -227,30 +225,51 @@ def overlap(a: dict, b: dict) -> bool:
 
 def test_two_pipelines_share_two_slots_without_overlapping(team, tokenized, tmp_path):
     """Two pipelines of one config in two roots against the server, one in its own process, one with its stages on
-    the pools, their tokenize reused. Each pretraining takes both slots (2 processes) for long enough that the other
-    reaches its own, so one waits, showing `Waiting for slots` as the state of its flow run, and neither fails."""
+    the pools, their tokenize reused. Each pretraining takes both slots (2 processes), so one waits, showing
+    `Waiting for slots` as the state of its flow run, and neither fails. The first pretraining's processes are
+    stopped (SIGSTOP) once they hold the slots, until the other is seen waiting (or for 2 minutes at most), and then
+    continued: short runs of 20 steps still meet."""
+    from tests.pipeline.test_deployment import stage_pids
+
     runs = {"slots-a": [], "slots-b": POOLS}
     cfgs, procs = {}, {}
     for name, extra in runs.items():
-        cfg, path = config(tmp_path / name, *PIPE, *extra, f"run.name={name}", "pretrain.max_steps=150",
+        cfg, path = config(tmp_path / name, *PIPE, *extra, f"run.name={name}", "pretrain.max_steps=20",
                            "pretrain.save_every=1000")
         copy_store(tokenized, tmp_path / name, "tokenize")
         cfgs[name], procs[name] = cfg, team.start(name, GPTFORGE + ["run", "-c", str(path)])
-    seen = set()
+    seen, held, stopped = set(), [], [0.0]
     with team.api() as client:
         def watch():
+            if not stopped[0] and len(pids := stage_pids(str(tmp_path), "gptforge.stages.pretrain")) >= 3:
+                held.extend(pids)  # the first pretraining's agent and 2 ranks, holding both slots
+                for pid in held:
+                    os.kill(pid, signal.SIGSTOP)
+                stopped[0] = time.time()
             for name in runs:
                 pipeline = pipeline_run_of(client, name)
                 flows = [pipeline] + [r for v in stage_runs(client, name).values() for r in v] if pipeline else []
                 seen.update(name for r in flows if r.state_name == "Waiting for slots")
+            if held and (seen or time.time() - stopped[0] > 120):
+                resume(held)
             return all(p.poll() is not None for p in procs.values())
 
-        wait_for(watch, 600, "the three pipelines", poll=0.3)
+        try:
+            wait_for(watch, 600, "the two pipelines", poll=0.3)
+        finally:
+            resume(held)
     assert [p.returncode for p in procs.values()] == [0, 0], "".join(team.log(n) for n in runs)
     a, b = (record(c)["stages"]["pretrain"] for c in cfgs.values())
     assert a["status"] == b["status"] == "complete" and not overlap(a, b), (a, b)
     assert seen, "neither was seen waiting for slots"
     assert "waiting for 2 of the 2 slots" in "".join(team.log(n, tail=None) for n in (*runs, "worker-gpu"))
+
+
+def resume(pids: list[int]) -> None:
+    """SIGCONT every process of `pids` still there, and forget them."""
+    while pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids.pop(), signal.SIGCONT)
 
 
 def test_approval_gate_approved_then_rejected(team, tmp_path):
