@@ -15,32 +15,15 @@ first one included) are dense and the odd ones banded.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 
-from gptforge.core.attention_rules import NATIVE_WINDOW, check
+from gptforge.core.attention_rules import NATIVE_WINDOW, check, kernel
 from gptforge.core.errors import ConfigError
 
-FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 BANDED = "gptforge_banded_"
-
-
-def kernel(name: str) -> str:
-    """The attention kernel `model.attention` names, `auto` resolved: FlashAttention 2 on a GPU where flash-attn is
-    installed, else SDPA. A FlashAttention kernel with no GPU or no package is a ConfigError naming the key."""
-    cuda = torch.cuda.is_available()
-    if name == "auto":
-        return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
-    if name in FLASH_PACKAGES:
-        if not cuda:
-            raise ConfigError(f"model.attention={name} needs a GPU, and there is none here; use sdpa (or auto)")
-        if importlib.util.find_spec(FLASH_PACKAGES[name]) is None:
-            raise ConfigError(f"model.attention={name} needs the {FLASH_PACKAGES[name]} package, which is not "
-                              "installed: pip install 'gptforge[gpu]', or use sdpa (or auto)")
-    return name
 
 
 def context(config) -> int:

@@ -305,17 +305,14 @@ def check_models(cfg) -> None:
     """Every model the config starts from, checked before anything runs (`check_model`); its RoPE scaling, windows
     and sequence parallelism against its own family, heads and context; the attention kernel where the stages run
     here (no work pools: a GPU worker may have what this machine lacks); and each training section's
-    lora.target_modules matched against the model's modules (on a model built without memory)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gptforge.model.train import sequence_parallel
-    from gptforge.model.lora import targets
-    from gptforge.model.attention import kernel
-    from gptforge.model.build import build_model
+    lora.target_modules matched against the model's modules (on a model built without memory). torch and the
+    modelling code are imported only for the checks that need them: `gptforge run` checks before anything starts."""
+    from gptforge.core.attention_rules import kernel
 
     path = None
     if cfg.model.pretrained:
+        from gptforge.model.train import sequence_parallel
+
         path = check_model(cfg.model.pretrained, cfg.model.revision, cfg.model.trust_remote_code, "model.pretrained")
         _, config = architecture(cfg.model)
         sp = cfg.distributed.sequence_parallel
@@ -331,6 +328,12 @@ def check_models(cfg) -> None:
     named = [(n, s.lora) for n, s in sections if s.enabled and s.lora.r and s.lora.target_modules != "all-linear"]
     if not named:
         return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gptforge.model.build import build_model
+    from gptforge.model.lora import targets
+
     with torch.device("meta"):
         model = build_model(cfg.model.arch(), cfg.model.arch().vocab_size) if path is None else \
             AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(

@@ -4,12 +4,15 @@ the attention pattern): checked where the config is validated (presets) and wher
 
 from __future__ import annotations
 
+import importlib.util
+
 from gptforge.core.errors import ConfigError
 
 # Families whose attention goes through transformers' AttentionInterface with a layer index: they can take a
 # banded layer. Native sliding windows: the configs whose attention and masks read `sliding_window`.
 BANDED_FAMILIES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3")
 NATIVE_WINDOW = ("mistral", "mixtral", "qwen2", "qwen3")
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 ROPE_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 
 
@@ -53,3 +56,25 @@ def check(family: str, ctx: int, model_cfg, pattern: str | None = None, window: 
 def check_context(arch, model_cfg) -> None:
     """`check` for a preset (its architecture with the section's overrides)."""
     check(arch.family, arch.n_positions, model_cfg, arch.attention_pattern, arch.local_window)
+
+
+def kernel(name: str) -> str:
+    """The attention kernel `model.attention` names, `auto` resolved: FlashAttention 2 on a GPU where flash-attn is
+    installed, else SDPA. A FlashAttention kernel with no GPU or no package is a ConfigError naming the key. torch
+    is asked for a GPU only where a FlashAttention kernel could be the answer (`gptforge run` checks the config
+    before its server starts, and needs no torch for the rest)."""
+    if name == "auto":
+        return "flash_attention_2" if importlib.util.find_spec("flash_attn") and gpu() else "sdpa"
+    if name in FLASH_PACKAGES:
+        if not gpu():
+            raise ConfigError(f"model.attention={name} needs a GPU, and there is none here; use sdpa (or auto)")
+        if importlib.util.find_spec(FLASH_PACKAGES[name]) is None:
+            raise ConfigError(f"model.attention={name} needs the {FLASH_PACKAGES[name]} package, which is not "
+                              "installed: pip install 'gptforge[gpu]', or use sdpa (or auto)")
+    return name
+
+
+def gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -2,6 +2,9 @@
 registry, and the devices where each stage would start. (Missing files, reward functions and servers:
 tests/pipeline/test_cli.py, through `gptforge run` on a fresh root.)"""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -92,3 +95,13 @@ def test_bad_rollout_settings_are_one_error_naming_the_key_before_anything_runs(
         cfg = load_config(TINY, [*ONLINE, *overrides])
         check_rollouts_apart(cfg, pipeline_steps(cfg))
     assert says in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)
+
+
+def test_the_whole_preflight_of_the_default_pipeline_imports_no_torch(tmp_path):
+    """`gptforge run` checks the config before its server starts: for a preset model with no LoRA targets to match
+    and no FlashAttention to look for, that needs neither torch nor the modelling code (about 3 s of a core)."""
+    code = ("import sys; from gptforge.core.config import load_config; from gptforge.pipeline.preflight import "
+            f"preflight; preflight(load_config({str(TINY)!r}, ['run.root={tmp_path}']), log=lambda m: None); "
+            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
