@@ -122,19 +122,26 @@ def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
         error = storage_error(e)
         if error is None:
             raise
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        say_error(error)
         return error.exit_code
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say_error(e)
         return e.exit_code
     except RuntimeError as e:  # a collective that timed out: name the rank that stopped answering
         from gptforge.model.train.distributed import hung_rank, is_timeout
 
         if not is_timeout(e):
             raise
-        print(f"error: {stage}: {hung_rank(e, cfg.distributed.timeout_minutes)}", file=sys.stderr, flush=True)
+        say_error(f"{stage}: {hung_rank(e, cfg.distributed.timeout_minutes)}")
         return 1
     return 0
+
+
+def say_error(message) -> None:
+    """The stage's one `error:` line, in one write: every rank that meets the same error says it at once, and
+    print's two writes (the text, then the newline) from two ranks on one pipe ran together into one line."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
 
 
 def exit_process(code: int) -> NoReturn:

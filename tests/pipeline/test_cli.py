@@ -70,7 +70,8 @@ def test_unknown_stage_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_failed_stage_ends_the_run_with_its_own_error_line(tmp_path):
     """`gptforge run` whose pretrain stage finds too little data: no framework traceback, and the last line is the
-    stage's own error."""
+    stage's own error, once (its two ranks' lines ran together into one when each printed the text and the newline
+    apart)."""
     from tests.helpers import config
 
     corpus = tmp_path / "corpus.txt"
@@ -84,6 +85,7 @@ def test_a_failed_stage_ends_the_run_with_its_own_error_line(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: stage pretrain failed: the val split holds") and "pretrain.seq_len" in last, last
+    assert last.count("error: ") == 1, last  # both ranks say it, each its own whole line
 
 
 def test_a_stage_started_with_fewer_processes_than_its_config_asks_for(tmp_path):
