@@ -70,11 +70,13 @@ def browser():
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    # No GPU process (its software rasteriser kept a core busy while the pipelines trained) and none of Chromium's
-    # own network traffic (updates, sync, field trials), which a closed machine refuses at every start.
+    # No GPU process (its software rasteriser kept a core busy while the pipelines trained: --disable-gpu alone
+    # still started one, which drew the Prefect UI through SwiftShader; with --disable-software-rasterizer too,
+    # bench/team_ui.py took 107 s of CPU against 156) and none of Chromium's own network traffic (updates, sync,
+    # field trials), which a closed machine refuses at every start.
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,2400", "--disable-gpu",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-                "--disable-quic"):
+                "--disable-quic", "--disable-software-rasterizer"):
         options.add_argument(arg)
     options.binary_location = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()),
                                    "chromium")
