@@ -25,7 +25,7 @@ lint: $(STAMP)
 	.venv/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) bench/tokenize_bench.py
