@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 import traceback
+import typing
 import warnings
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of the ranks left when one failed
@@ -88,6 +89,16 @@ def warm(module: str, args: list[str], nproc: int) -> bool:
         return False
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what each rank's torch is imported under (rank_env)
+    if not preimport(module, args):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
+
+
+def preimport(module: str, args: list[str]) -> bool:
+    """Import the stage `module`, DeepSpeed where its ranks join a process group, and what its processes (started
+    with `args`) import as they run (gptforge.stages.entry.preload): whether the module imported. Here for the warm
+    agent, and in the fork server (gptforge.pipeline.fork_server) for the agents it forks."""
     try:
         stage = importlib.import_module(module)
         if "gptforge.model.train.distributed" in sys.modules:  # its ranks join a process group: DeepSpeed's import too
@@ -97,24 +108,45 @@ def warm(module: str, args: list[str], nproc: int) -> bool:
     if "gptforge.stages.entry" in sys.modules:  # a stage: what its ranks import as they run, too
         try:
             sys.modules["gptforge.stages.entry"].preload(stage, args)
-        except Exception:  # noqa: BLE001 - each rank imports what it needs itself, and reports what fails
+        except (Exception, SystemExit):  # noqa: BLE001 - each rank imports what it needs itself, and reports it
             pass
-    torch = sys.modules.get("torch")
-    return torch is None or not torch.cuda.is_initialized()
+    return True
 
 
 def fork_rank(module: str, args: list[str], env: dict[str, str]) -> int:
-    """Fork a rank that runs `module` as `python -u -m module args...` would, under `env`; its pid."""
+    """Fork a rank that runs `module` as `python -u -m module args...` would, under `env`; its pid. The rank dies
+    with the agent, however the agent ends."""
     pid = os.fork()
     if pid:
         return pid
+    try:
+        die_with_parent()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+    except BaseException:  # noqa: BLE001
+        os._exit(1)
+    run_module(module, args, env)
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """In a process just forked: be sent SIGKILL when the process that forked it ends (Linux's
+    PR_SET_PDEATHSIG), and end now if `parent` (its pid, when known) is gone already."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def run_module(module: str, args: list[str], env: dict[str, str]) -> typing.NoReturn:
+    """In a forked process: run `module` as `python -u -m module args...` would, under `env` and on the file
+    descriptors 0, 1 and 2 it has, then exit with its code."""
     code = 1
     try:
         os.environ.clear()
         os.environ.update(env, PYTHONUNBUFFERED="1")
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         for name in ("stdout", "stderr"):  # unbuffered, as under -u
             stream = getattr(sys, name)

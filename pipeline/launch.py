@@ -25,6 +25,7 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import StageFailed, UserError
+from gptforge.pipeline import fork_server
 from gptforge.pipeline.preflight import check_devices
 from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
 from gptforge.pipeline.team import gpu_slots
@@ -149,10 +150,13 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
     `first_listens_at`: the others start once the first command listens at this address (or has exited)."""
 
     def start(cmd):
+        whole = {**os.environ, **(env or {})}
+        if (forked := fork_server.start(cmd, whole)) is not None:  # on a CPU host: from one import of the stages
+            return forked
         ssh = cmd[0] == "ssh"  # a node over ssh: its channel stays open while the run lives (pipeline/on_node.py)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.PIPE if ssh else subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+                                stdin=subprocess.PIPE if ssh else subprocess.DEVNULL, env=whole,
+                                start_new_session=True)
         if ssh:
             proc.stdin.write(json.dumps(env or {}).encode() + b"\n")  # the node's environment, off the command line
             proc.stdin.flush()

@@ -222,6 +222,7 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tokenized, tmp_pa
     tree = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(" ".join(p.cmdline()) for p in tree if alive(p))
     assert "gptforge.stages.pretrain" in names and "uvicorn" in names  # the ranks and the ephemeral server
+    assert "gptforge.pipeline.fork_server" in names  # which forked the stage's agent
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 60
