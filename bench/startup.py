@@ -8,6 +8,11 @@ spans each: from launch to the first step, and from the last step to exit.
 The stage is `pretrain`, started as `gptforge run` starts it (gptforge.pipeline.launch.run_stage, under the
 configured launcher), on the tokenize output this script makes first (not timed). A step's end is the moment its
 log line reaches this process; the stage logs every step here. Each span's median over the rounds is compared.
+
+On a CPU host each round starts the stage twice: as a pipeline's later stage does, its agent forked from the fork
+server that this process started for its first stage (gptforge.pipeline.fork_server), and as a process that
+imports everything itself (GPTFORGE_FORK_SERVER=0). The CPU the whole machine spent on each (/proc/stat, so run it
+on a quiet machine) is compared too; the first stage of the process, which starts the server, is printed apart.
 """
 
 from __future__ import annotations
@@ -78,8 +83,16 @@ def floor(cfg, out: Path) -> tuple[float, float]:
     return stepped - t0, time.perf_counter() - stepped
 
 
-def stage(cfg, path: Path) -> tuple[float, float]:
-    """(launch to first step, last step to exit) of the pretrain stage, in seconds."""
+def busy() -> float:
+    """Seconds of CPU the whole machine has spent busy, all cores together (/proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # but idle and iowait
+
+
+def stage(cfg, path: Path, forked: bool = True) -> tuple[float, float, float]:
+    """(launch to first step, last step to exit, the machine's CPU seconds) of the pretrain stage, in seconds;
+    `forked`: its agent forked from the fork server (on a CPU host), else started as a process of its own."""
     from gptforge.pipeline.launch import run_stage
     from gptforge.pipeline.store import RunRecord
 
@@ -89,11 +102,12 @@ def stage(cfg, path: Path) -> tuple[float, float]:
         if line.lstrip().startswith("step ") and " | loss " in line:
             steps.append(time.perf_counter())
 
-    t0 = time.perf_counter()
+    os.environ["GPTFORGE_FORK_SERVER"] = "1" if forked else "0"
+    cpu, t0 = busy(), time.perf_counter()
     run_stage(cfg, "pretrain", path, RunRecord(cfg), log, recompute=True)
     end = time.perf_counter()
     assert len(steps) == STEPS, f"expected a log line for each of {STEPS} steps, saw {len(steps)}"
-    return steps[0] - t0, end - steps[-1]
+    return steps[0] - t0, end - steps[-1], busy() - cpu
 
 
 def main() -> None:
@@ -111,18 +125,31 @@ def main() -> None:
     path = root / "pipeline.yaml"
     path.write_text(dump_config(cfg))
     execute(cfg, "tokenize")
-    spans: dict[str, list[tuple[float, float]]] = {"stage": [], "floor": []}
-    for _ in range(args.repeats):  # interleaved: the machine's drift falls on both sides
-        spans["stage"].append(stage(cfg, path))
-        spans["floor"].append(floor(cfg, root / "floor-model"))
+    first = stage(cfg, path)  # the process's first stage: it starts the fork server, which imports the stage
+    spans: dict[str, list[tuple[float, ...]]] = {"forked": [], "own": [], "floor": []}
+    for _ in range(args.repeats):  # interleaved: the machine's drift falls on every side
+        spans["forked"].append(stage(cfg, path))
+        spans["own"].append(stage(cfg, path, forked=False))
+        cpu = busy()
+        spans["floor"].append((*floor(cfg, root / "floor-model"), busy() - cpu))
     d = cfg.distributed
     print(f"pretrain, {cfg.model.name()}, {d.world_size} processes, launcher {d.launcher}, ZeRO-{d.zero_stage}; "
           f"medians of {args.repeats} interleaved round(s)")
+
+    def median(side: str, i: int) -> float:
+        return statistics.median(x[i] for x in spans[side])
+
     for i, span in enumerate(("launch to first step", "last step to exit")):
-        s = statistics.median(x[i] for x in spans["stage"])
-        f = statistics.median(x[i] for x in spans["floor"])
-        print(f"{span}: stage {s:6.2f} s, floor {f:6.2f} s, ratio {s / f:.2f}x (target <= 1.5x; rounds: "
-              f"{', '.join(f'{a[i]:.2f}/{b[i]:.2f}' for a, b in zip(spans['stage'], spans['floor']))})")
+        f = median("floor", i)
+        for side, name in (("forked", "stage"), ("own", "stage, no fork server")):
+            s = median(side, i)
+            print(f"{span}: {name} {s:6.2f} s, floor {f:6.2f} s, ratio {s / f:.2f}x (target <= 1.5x; rounds: "
+                  f"{', '.join(f'{a[i]:.2f}/{b[i]:.2f}' for a, b in zip(spans[side], spans['floor']))})")
+    forked, own, f = median("forked", 2), median("own", 2), median("floor", 2)
+    print(f"CPU a stage (the machine's): stage {forked:.1f} s, no fork server {own:.1f} s, floor {f:.1f} s; "
+          f"ratio {forked / own:.2f}x of no fork server")
+    print(f"the process's first stage (the fork server starts): launch to first step {first[0]:.2f} s, "
+          f"CPU {first[2]:.1f} s")
 
 
 if __name__ == "__main__":

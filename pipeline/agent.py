@@ -26,7 +26,9 @@ own environment and stdin: the ranks' imports cost one core once instead of ever
 times the start). On a GPU node each
 rank starts as a process of its own: a process forked from one that has touched the CUDA driver (DeepSpeed asks
 for the devices as it is imported) cannot use it. GPTFORGE_WARM_RANKS=0 turns it off; a module that does not
-import here starts its ranks as processes too, which then report the error themselves.
+import here starts its ranks as processes too, which then report the error themselves. A forked rank dies with
+its agent. On a CPU host the pipeline forks the agent itself from its fork server (gptforge.pipeline.fork_server),
+which has imported the stage already: then the agent's own import costs nothing.
 """
 
 from __future__ import annotations

@@ -41,9 +41,10 @@ from gptforge.model.train.tracking import PARENT_ENV
 # The commands forked: a node's agent, and an evaluation (`python -m MODULE ARG...`).
 FORKED = ("gptforge.pipeline.agent", "gptforge.stages.evaluate")
 # Variables that differ between the stages of one environment, read only as a stage runs: the accelerate launcher's,
-# the rendezvous's (pipeline/nodes.py: node_env), the MLflow parent run, and pytest's name for the running test.
-RUNTIME = ("ACCELERATE_*", "TORCHELASTIC_*", PARENT_ENV, "PYTEST_CURRENT_TEST",
-           "TORCHINDUCTOR_CACHE_DIR")  # (which torch sets to its default once it has compiled anything)
+# the rendezvous's (pipeline/nodes.py: node_env), the MLflow parent run, the guard's drills, Inductor's cache (which
+# torch sets to its default once it has compiled anything), and pytest's name for the running test.
+RUNTIME = ("ACCELERATE_*", "TORCHELASTIC_*", PARENT_ENV, "GPTFORGE_FAULTS", "TORCHINDUCTOR_CACHE_DIR",
+           "PYTEST_CURRENT_TEST")
 MAX_SERVERS = 2
 CMDLINE_ROOM = 16384  # bytes of command line the server starts with, for what it forks to write theirs over
 _HEADER = struct.Struct("!I")
