@@ -2,7 +2,7 @@
 one run, on the two hosts tests/hosts.py builds (network namespaces with their own address, hostname and sshd; the
 machine's cores are shared by both, so the figures compare launchers, not networks).
 
-    .venv/bin/python bench/two_hosts.py [--steps 150] [--repeats 2] [--set k=v ...]     (as root)
+    .venv/bin/python bench/two_hosts.py [--steps 150] [--repeats 2] [--set k=v ...]     (as root, with pdsh)
 
 - torchrun over ssh (`node_launcher: ssh`), the reference;
 - gptforge's own agent over ssh;

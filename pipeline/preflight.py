@@ -3,8 +3,9 @@ run`, the pipeline flow (a run started from the UI or a schedule) and `gptforge 
 input is one `error:` line and nothing has trained.
 
 - the layout each stage takes (gptforge.stages.registry): what a sequence-parallel online stage cannot share;
-- the devices: a stage that loads its base through bitsandbytes (`<stage>.lora.quantize`) and starts on this host
-  needs a GPU here; one sent to a work pool is checked by its worker, so a CPU head node validates a GPU config;
+- the host each stage starts on: one that loads its base through bitsandbytes (`<stage>.lora.quantize`) needs a
+  GPU there, and DeepSpeed's runner over a hostfile of several hosts needs pdsh there; a stage sent to a work pool
+  is checked by its worker, so a CPU head node validates a GPU config;
 - the harness tasks of `eval.harness_tasks` exist;
 - the curate stage's inputs: its filters' arguments, a language model available offline, the files of
   `curate.decontaminate.extra`;
@@ -22,6 +23,7 @@ input is one `error:` line and nothing has trained.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -33,6 +35,7 @@ from gptforge.data.sources import kind_of
 from gptforge.model.eval.harness import check_tasks
 from gptforge.model.eval.rewards import REWARD_MODEL, user_function
 from gptforge.model.pretrained import check_models
+from gptforge.pipeline.nodes import deepspeed_runner, launcher_of, read_hostfile, single_process
 from gptforge.pipeline.store import fingerprints, pipeline_steps
 from gptforge.pipeline.team import check_team, pool_of
 from gptforge.stages.registry import STAGES, data_parallel
@@ -83,12 +86,21 @@ def check_layout(cfg: PipelineConfig, steps: list[str]) -> None:
 
 
 def check_devices(cfg: PipelineConfig, steps: list[str], here: bool = False) -> None:
-    """A stage whose base loads through bitsandbytes needs a GPU where it starts: on this host, unless a work pool
-    takes it; `here`: the stage starts on this host whatever the pools (gptforge.pipeline.launch asks so, on the
-    worker that runs it)."""
+    """What a stage needs of the host it starts on: a GPU where its base loads through bitsandbytes, pdsh where
+    DeepSpeed's runner starts it on the hosts of its hostfile. On this host, unless a work pool takes it; `here`:
+    the stage starts on this host whatever the pools (gptforge.pipeline.launch asks so, on the worker that runs
+    it)."""
     for step in steps:
+        if pool_of(cfg, step) and not here:
+            continue
+        if (deepspeed_runner(cfg) and launcher_of(cfg, step) == "deepspeed" and not single_process(cfg, step)
+                and len(set(read_hostfile(cfg.distributed.hostfile))) > 1 and not shutil.which("pdsh")):
+            raise ConfigError(f"distributed.hostfile={cfg.distributed.hostfile} with launcher=deepspeed and "
+                              "node_launcher=local: DeepSpeed's runner reaches its hosts through pdsh, which this "
+                              "host does not have: install it (Debian: apt-get install pdsh), or set "
+                              "distributed.node_launcher=ssh")
         section = "preference" if step in ALGORITHMS else step
-        if section not in ("pretrain", "sft", "reward", "preference") or (pool_of(cfg, step) and not here):
+        if section not in ("pretrain", "sft", "reward", "preference"):
             continue
         quantize = getattr(cfg, section).lora.quantize
         if not quantize:

@@ -105,3 +105,22 @@ def test_the_whole_preflight_of_the_default_pipeline_imports_no_torch(tmp_path):
             "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_deepspeeds_runner_over_several_hosts_without_pdsh_is_one_error_before_anything_runs(tmp_path, monkeypatch):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    cfg = load_config(TINY, ["distributed.launcher=deepspeed", "distributed.nnodes=2", "distributed.nproc_per_node=1",
+                             f"distributed.hostfile={hostfile}"])
+    monkeypatch.setenv("PATH", str(tmp_path))  # a host without pdsh
+    with pytest.raises(ConfigError, match=rf"^distributed.hostfile={hostfile} with launcher=deepspeed and "
+                                          r"node_launcher=local: DeepSpeed's runner reaches its hosts through pdsh"):
+        check_devices(cfg, pipeline_steps(cfg))
+    check_devices(cfg, ["tokenize", "eval-sft"])  # one process each: no runner
+    over_ssh = load_config(TINY, ["distributed.launcher=deepspeed", "distributed.nnodes=2",
+                                  "distributed.nproc_per_node=1", "distributed.node_launcher=ssh",
+                                  "distributed.master_addr=10.0.0.1", f"distributed.hostfile={hostfile}"])
+    check_devices(over_ssh, pipeline_steps(over_ssh))  # gptforge starts each node's launcher itself
+    (tmp_path / "pdsh").write_text("#!/bin/sh\n")
+    (tmp_path / "pdsh").chmod(0o755)
+    check_devices(cfg, pipeline_steps(cfg))
