@@ -4,11 +4,11 @@ between them. The job is submitted with sbatch as a user would; `gptforge run` o
 starts a torchrun agent on each node through srun (`node_launcher: slurm`). Printed: the job's state and time, its
 tokens a second, and its loss curve against the same pretraining on one host with 2 processes, run here first.
 
-    apt-get install slurm-wlm munge          # as root; not installed by .ci/run: the suite's budget has no room
+    apt-get install --no-install-recommends slurmctld slurmd slurm-client munge    # as root (.ci/run does)
     .venv/bin/python bench/slurm_two_hosts.py [--steps 30]
 
-(Not in the suite: a Slurm job starts `gptforge run` and its ephemeral Prefect server, about a minute here; the
-two-host tests already run every launch path the job uses but srun.)
+(Its shrunk run in the suite: tests/pipeline/test_two_hosts.py::test_pretrain_as_a_slurm_job_across_the_two_hosts,
+the job's curve against the same two hosts over ssh.)
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def slurm_unavailable() -> str | None:
     """Why a Slurm cluster of the two hosts cannot be made here, or None."""
     for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
         if not shutil.which(tool):
-            return f"{tool} is not installed (apt-get install slurm-wlm munge, as root)"
+            return f"{tool} is not installed (.ci/run installs slurmctld, slurmd, slurm-client and munge as root)"
     return unavailable()
 
 
@@ -201,7 +201,9 @@ class Slurm:
         key = d / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
-        (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # (autodetect refuses a hybrid v1/v2 host)
+        # slurmd's cgroup plugin named, as its autodetection refuses a hybrid v1/v2 host (as this kind of machine is)
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        (d / "cgroup.conf").write_text(f"CgroupPlugin=cgroup/{'v2' if v2 else 'v1'}\n")
         nodes = "".join(f"NodeName={name} NodeAddr={addr} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN\n"
                         for name, addr in zip(NAMES, ADDRS))
         self.confs = []

@@ -1,6 +1,7 @@
 """Runs across two hosts of their own (tests/hosts.py: two network namespaces, each with its address, hostname,
 hosts file and sshd), their hostnames resolving to 127.0.0.1 on themselves as on many cloud images: a stage started
-on node-a reaches both over ssh (`node_launcher: ssh`), and trains only where each node is told its address."""
+on node-a reaches both over ssh (`node_launcher: ssh`), and trains only where each node is told its address; a
+Slurm job across them reaches both with srun (`node_launcher: slurm`)."""
 
 import json
 import os
@@ -16,7 +17,7 @@ import pytest
 from gptforge.pipeline.store import locate
 from tests.conftest import ROOT
 from tests.helpers import config, logged, tokenize_from
-from tests.hosts import ADDRS, NAMES, Hosts, unavailable
+from tests.hosts import ADDRS, NAMES, Hosts, Slurm, slurm_unavailable, unavailable
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two hosts cannot be made here: {WHY}")
@@ -157,6 +158,42 @@ def test_a_node_lost_mid_stage_fails_it_naming_the_host_and_a_rerun_resumes(host
     _, _, uninterrupted, uninterrupted_dir, _ = over_ssh
     assert manifest["metrics"]["val_loss"] == pytest.approx(uninterrupted["metrics"]["val_loss"], abs=1e-6)
     assert logged(out_dir, "loss") == pytest.approx(logged(uninterrupted_dir, "loss"), abs=1e-6)
+    assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
+
+
+def test_pretrain_as_a_slurm_job_across_the_two_hosts(hosts, over_ssh, tokenized, tmp_path):
+    """infra/slurm/pretrain.sbatch submitted with sbatch, as a user would, to a real Slurm of the two hosts
+    (slurmctld on node-a, a slurmd on each, munge between them): `gptforge run` on the allocation's first node
+    starts a torchrun agent on each node with one srun (`node_launcher: slurm`). The job completes, its stage has
+    a rank on each host, it trains as the same two hosts do over ssh, and nothing of it is left on either."""
+    if why := slurm_unavailable():
+        pytest.skip(f"no Slurm of the two hosts here: {why}")
+    cfg, path = config(tmp_path, "distributed.zero_stage=2", "pretrain.save_every=100")
+    tokenize_from(tokenized, cfg)
+    log = tmp_path / "job.out"
+    slurm = Slurm(hosts)
+    try:
+        job = slurm.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={log}",
+                         "--export=ALL,NPROC_PER_NODE=1", "infra/slurm/pretrain.sbatch", str(path)], cwd=ROOT)
+        assert job.returncode == 0, job.stderr
+        job_id = job.stdout.strip().split(";")[0]
+        deadline = time.time() + 300
+        while slurm.run(["squeue", "-h", "-j", job_id]).stdout.strip():
+            assert time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        state = slurm.run(["scontrol", "show", "job", job_id]).stdout
+    finally:
+        slurm.close()
+    assert "JobState=COMPLETED" in state, state + log.read_text()[-4000:]
+    ran, _ = config(tmp_path, "distributed.zero_stage=2", "pretrain.save_every=100", "distributed.nnodes=2",
+                    "distributed.node_launcher=slurm", "distributed.launcher=torchrun", "distributed.nproc_per_node=1",
+                    f"distributed.master_addr={ADDRS[0]}")
+    out_dir = locate(ran, "pretrain")[0]
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    _, _, uninterrupted, uninterrupted_dir, _ = over_ssh
+    assert manifest["world_size"] == 2
+    assert logged(out_dir, "loss") == pytest.approx(logged(uninterrupted_dir, "loss"), abs=1e-6)
+    assert manifest["metrics"]["val_loss"] == pytest.approx(uninterrupted["metrics"]["val_loss"], abs=1e-6)
     assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
 
 
