@@ -12,21 +12,11 @@ from pathlib import Path
 
 from gptforge.core.config import ALGORITHMS, load_config
 from gptforge.core.errors import ConfigError, UserError, storage_error
+from gptforge.pipeline import prefect_env
 from gptforge.pipeline.report import metrics_table
 from gptforge.stages.registry import STAGES
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
-
-
-def _quiet_prefect_env() -> None:
-    # No internet: no telemetry. With no PREFECT_API_URL Prefect starts an ephemeral local server.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    # Heartbeats every 30 s, so that the automation `gptforge deploy` installs can mark a vanished run Crashed
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
-    # The first start of the ephemeral server migrates its SQLite database: slow on 2 cores.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 class OneLineUserErrors(logging.Filter):
@@ -67,7 +57,7 @@ def drain_prefect(timeout: float = 10.0) -> None:
 def cmd_run(args) -> int:
     overrides = args.set + ([f"run.name={args.name}"] if args.name else [])
     cfg = load_config(args.config, overrides)  # config errors end here, before anything starts
-    _quiet_prefect_env()
+    prefect_env.apply()
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logging.getLogger(name).addFilter(OneLineUserErrors())
     from gptforge.pipeline.flow import pipeline_flow, selected_stages
@@ -110,7 +100,7 @@ def serve(cfg, name: str) -> None:
 
 def cmd_serve(args) -> int:
     cfg = load_config(args.config, args.set)
-    _quiet_prefect_env()
+    prefect_env.apply()
     if not os.environ.get("PREFECT_API_URL"):
         raise UserError("PREFECT_API_URL is not set: point it at a Prefect server, or use `gptforge up`")
     serve(cfg, args.name)
@@ -121,7 +111,7 @@ def cmd_deploy(args) -> int:
     from gptforge.pipeline.deploy import deploy
 
     cfg = load_config(args.config, args.set)
-    _quiet_prefect_env()
+    prefect_env.apply()
     deploy(cfg, args.name, args.slots)
     return 0
 
@@ -131,7 +121,7 @@ def cmd_watch(args) -> int:
     from gptforge.pipeline.watch import watch_flow
 
     cfg = load_config(args.config, args.set)
-    _quiet_prefect_env()
+    prefect_env.apply()
     if not os.environ.get("PREFECT_API_URL"):
         raise UserError("PREFECT_API_URL is not set: the check compares with the last one, kept on the server")
     changed = watch_flow(config=cfg)
@@ -154,7 +144,7 @@ def cmd_up(args) -> int:
     import subprocess
 
     cfg = load_config(args.config, args.set)
-    _quiet_prefect_env()
+    prefect_env.apply()
     url = f"http://{args.host}:{args.port}/api"
     server = None
     if not server_healthy(url):

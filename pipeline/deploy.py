@@ -19,12 +19,11 @@ from datetime import timedelta
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import ConfigError
+from gptforge.pipeline import prefect_env
 from gptforge.pipeline.preflight import preflight
 
-HEARTBEAT_SECONDS = 30  # what deployed flow runs are started with (PREFECT_FLOWS_HEARTBEAT_FREQUENCY)
 CRASH_AUTOMATION = "gptforge: crash flow runs whose heartbeats stopped"
-JOB_ENV = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1"}
+JOB_ENV = prefect_env.SETTINGS  # what deployed flow runs are started with
 
 
 def pools_of(cfg: PipelineConfig) -> list[str]:
@@ -70,7 +69,7 @@ def crash_automation():
                     "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
             for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
-            within=timedelta(seconds=3 * HEARTBEAT_SECONDS)),
+            within=timedelta(seconds=3 * prefect_env.HEARTBEAT_SECONDS)),
         actions=[ChangeFlowRunState(state=StateType.CRASHED,
                                     message="marked Crashed: its heartbeats stopped (its process is gone)")])
 

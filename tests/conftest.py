@@ -4,10 +4,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # OpenMP threads that wait by sleeping, not spinning (set before torch loads libgomp; every process the tests start
 # inherits it). Two xdist workers share the 2 cores: a process running 2 threads beside the other worker's ranks
 # spun on the busy core at each parallel region's end. A 1-process pretrain of 60 steps beside one busy core took
@@ -16,6 +13,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Inductor compiles in this process rather than in a pool of compile workers it would start in each rank (the
 # compiled pretraining under accelerate, cold cache: 86 s of CPU in all with the pool, 74 s without).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+from gptforge.pipeline import prefect_env  # noqa: E402
+
+prefect_env.apply()  # the Prefect settings gptforge runs with (a busy server's 503s retried), for every server and CLI
 
 import fcntl  # noqa: E402
 import pickle  # noqa: E402
@@ -48,6 +49,19 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(items):
     rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI=true a skipped test fails the run, naming why it skipped: CI installs everything the suite needs, so a
+    skip there is a proof that did not run. Only a test marked `gpu` may skip there (CI's machine has none)."""
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and os.environ.get("CI") == "true" and not hasattr(report, "wasxfail")
+            and item.get_closest_marker("gpu") is None):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, where no test may skip: {reason}"
 
 
 @pytest.fixture

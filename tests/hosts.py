@@ -37,9 +37,11 @@ def unavailable() -> str | None:
     """Why two hosts cannot be made here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "unshare", "nsenter", "/usr/sbin/sshd", "ssh", "ssh-keygen"):
+    packages = {"ip": "iproute2", "unshare": "util-linux", "nsenter": "util-linux", "/usr/sbin/sshd": "openssh-server",
+                "ssh": "openssh-client", "ssh-keygen": "openssh-client"}
+    for tool, package in packages.items():
         if not shutil.which(tool):
-            return f"{tool} is not installed (.ci/run installs openssh-server as root)"
+            return f"{tool} is not installed (Debian's {package}; .ci/run installs it as root)"
     probe = f"gfprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:

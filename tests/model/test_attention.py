@@ -132,6 +132,7 @@ def test_bad_attention_settings_are_one_error_naming_the_key(overrides, says):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.gpu
 def test_flash_attention_without_a_gpu_is_an_error_naming_the_key():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

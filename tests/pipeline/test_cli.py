@@ -40,8 +40,9 @@ def test_config_errors_exit_2_before_anything_starts(tmp_path):
       "reward.micro_batch_size=1", "reward.global_batch_size=3", "preference.micro_batch_size=1",
       "preference.global_batch_size=3"],
      "error: distributed.sequence_parallel=3 does not divide the model's 4 attention heads"),
-    (["model.attention=flash_attention_2"],
-     "error: model.attention=flash_attention_2 needs a GPU, and there is none here; use sdpa (or auto)"),
+    pytest.param(["model.attention=flash_attention_2"],
+                 "error: model.attention=flash_attention_2 needs a GPU, and there is none here; use sdpa (or auto)",
+                 marks=pytest.mark.gpu),
 ])
 def test_a_model_that_cannot_be_used_is_one_line_before_anything_starts(tmp_path, overrides, line):
     from tests import hub_models

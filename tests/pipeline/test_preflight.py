@@ -36,6 +36,7 @@ def test_ppo_takes_no_sequence_parallelism_so_its_ptx_rows_are_its_own():
     check_layout(cfg, pipeline_steps(cfg))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
 def test_a_qlora_config_validates_on_a_cpu_head_node_and_fails_only_where_it_would_start():
     qlora = ["sft.lora.r=8", "sft.lora.quantize=4"]

@@ -12,10 +12,15 @@ from gptforge.core.config import dump_config
 from gptforge.pipeline.store import locate, read_manifest
 
 
-def mount(path, *options) -> bool:
+def mount(path, *options) -> str | None:
+    """Why a tmpfs cannot be mounted at `path`, or None once it is."""
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)],
+                              capture_output=True, text=True)
+    except FileNotFoundError:
+        return "mount is not installed (Debian's mount)"
+    return None if done.returncode == 0 else f"mount -t tmpfs failed (it needs root): {done.stderr.strip()}"
 
 
 @pytest.fixture
@@ -24,8 +29,8 @@ def tmpfs(tmp_path):
 
     def make(name, *options):
         path = tmp_path / name
-        if not mount(path, *options):
-            pytest.skip("cannot mount a tmpfs here")
+        if why := mount(path, *options):
+            pytest.skip(f"cannot mount a tmpfs here: {why}")
         mounted.append(path)
         return path
 

@@ -313,7 +313,7 @@ def test_a_stage_on_a_prefect_worker_of_the_other_host(hosts, tokenized, tmp_pat
     url = f"http://{ADDRS[0]}:{port}/api"
     env = hosts.env(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=url, PYTHONPATH=str(site),
                     PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS="1",
-                    PREFECT_CLIENT_RETRY_EXTRA_CODES="503", GPTFORGE_WARM_RANKS="0")  # (ranks forked: no site)
+                    GPTFORGE_WARM_RANKS="0")  # (ranks forked: no site)
     procs = []
 
     def start(n, name, cmd):
