@@ -60,8 +60,8 @@ def run_seed(args, seed: int) -> dict[str, float]:
     """{yarn, raised: val loss at 256 tokens} of one seed."""
     root = Path(args.root)
     _, short = stages(args.config, root, ["tokenize", "pretrain"],
-                      [*SHORT, f"pretrain.max_steps={args.short_steps}", f"pretrain.eval_every={args.short_steps}",
-                       f"run.seed={seed}", *args.set])
+                      [*args.set, *SHORT, f"pretrain.max_steps={args.short_steps}",
+                       f"pretrain.eval_every={args.short_steps}", f"run.seed={seed}"])
     base = short / "model"
     raised = root / f"seed{seed}-raised-model"  # no scaling: the context raised by hand
     if not raised.exists():
@@ -71,9 +71,9 @@ def run_seed(args, seed: int) -> dict[str, float]:
     out = {}
     for name, model, extra in (("yarn", base, ["model.rope={type: yarn, factor: 4}"]), ("raised", raised, [])):
         manifest, out_dir = stages(args.config, root / f"seed{seed}-{name}", ["tokenize", "pretrain"],
-                                   [f"model.pretrained={model}", f"tokenizer.pretrained={base}", *LONG,
+                                   [*args.set, f"model.pretrained={model}", f"tokenizer.pretrained={base}", *LONG,
                                     f"pretrain.max_steps={args.long_steps}", f"pretrain.eval_every={args.long_steps}",
-                                    f"run.seed={seed}", *extra, *args.set])
+                                    f"run.seed={seed}", *extra])
         out[name] = manifest["metrics"]["val_loss"]
         print(f"seed {seed} {name}: val_loss {out[name]:.4f} at 256 tokens; model {out_dir / 'model'}", flush=True)
     return out
@@ -86,7 +86,9 @@ def main() -> None:
     p.add_argument("--root", default=str(ROOT / "runs" / "yarn"))
     p.add_argument("--short-steps", type=int, default=400, help="pretraining at 64 tokens (default 400)")
     p.add_argument("--long-steps", type=int, default=12, help="continued pretraining at 256 tokens (default 12)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of both phases (the data, the model's size); the bench's own pretrain and context "
+                        "settings win over it")
     args = p.parse_args()
     runs = {seed: run_seed(args, seed) for seed in args.seeds}
     yarn, raised = ([runs[s][k] for s in args.seeds] for k in ("yarn", "raised"))

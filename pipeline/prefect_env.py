@@ -1,11 +1,12 @@
 """The Prefect settings of every gptforge process, and of each Prefect server, worker, flow run and CLI it starts
 (they inherit the environment, or get these as a deployment's job variables). A setting the user exported wins.
 
-A busy server is survived, not failed on. Prefect's SQLite server answers 503 when a write waits on the database's
-lock past its statement timeout (10 s by default), and Prefect's client retries a 503 (and 429, 502, 408) up to
-PREFECT_CLIENT_MAX_RETRIES times with a doubling backoff: the default 5 gives up after about a minute of a loaded
-server, as `prefect deploy` did on a slow 2-core machine under the test suite. Here a server waits a minute for the
-lock before it answers 503, and a client retries 7 times (2 + 4 + ... + 128 s: about four minutes)."""
+A busy server is survived, not failed on. Prefect's server answers 503 when its database is busy: SQLite's lock
+waited on past its busy timeout, or a Postgres statement past PREFECT_SERVER_DATABASE_TIMEOUT (10 s by default).
+Prefect's client retries a 503 (and 429, 502, 408) up to PREFECT_CLIENT_MAX_RETRIES times with a doubling backoff:
+the default 5 gives up after about a minute of a loaded server, as `prefect deploy` did on a slow 2-core machine
+under the test suite. Here a client retries 7 times (2 + 4 + ... + 128 s: about four minutes), and a server that
+gptforge starts gives a statement a minute."""
 
 import os
 

@@ -135,9 +135,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if rank == 0:
         active = f" ({n_active / 1e6:.2f}M active)" if n_active != n_params else ""
         print(f"[pretrain] {cfg.model.name()}: {n_params / 1e6:.2f}M parameters{active}, world {world}, "
-              f"ZeRO-{dist.zero_stage}, {f'sequence parallel {sp.size}, ' if sp else ''}"
+              f"ZeRO-{engine.zero_optimization_stage()}, {f'sequence parallel {sp.size}, ' if sp else ''}"
               f"grad accum {grad_accum}, {tokens_per_step} tokens/step, {pc.max_steps} steps"
-              f"{', torch.compile' if pc.compile else ''}"
+              f"{', torch.compile' if engine.is_compiled else ''}"
               f"{f', logits in {tiles} tiles' if tiles > 1 else ''}"
               f"{f', {tiled_mlps} MLPs tiled' if tiled_mlps else ''}",
               flush=True)

@@ -112,18 +112,33 @@ def kill_after_checkpoint(cfg, path, stage, step: int, sessions: list | None = N
     return out_dir
 
 
-def as_killed(done: Path, out_dir: Path, after: str) -> Path:
-    """`out_dir` as a run of `done`'s stage would leave it had it been killed after its checkpoint `after` (a
-    folder name under checkpoints/): `done`'s output without its manifest, result and export, nor the checkpoints
-    after that one. (A real SIGKILL of a stage: test_pretrain.py, test_pretrained.py, the pipeline tests.)"""
-    def unfinished(folder, names):  # (a checkpoint holds a model/ of its own)
-        return {"manifest.json", "result.json", "model", "adapter"} & set(names) if Path(folder) == done else set()
+# A sitecustomize every rank runs where it starts as a Python of its own (PYTHONPATH, forwarded to every node): what
+# started it (its command line and its parent's) and its launcher's variables, for a test to show which launcher ran.
+WITNESS = """
+import json, os
+def _cmd(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\\0")[:-1]]
+if "RANK" in os.environ:
+    seen = {"rank": os.environ["RANK"], "argv": _cmd(os.getpid()), "parent": _cmd(os.getppid()),
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "TORCHELASTIC_"))}}
+    with open(os.path.join(os.path.dirname(__file__), "seen", f"{os.getpid()}.json"), "w") as f:
+        json.dump(seen, f)
+"""
 
-    shutil.copytree(done, out_dir, ignore=unfinished)
-    for ckpt in (out_dir / "checkpoints").iterdir():
-        if ckpt.is_dir() and ckpt.name > after:
-            shutil.rmtree(ckpt)
-    return out_dir
+
+def rank_witness(root: Path) -> tuple[str, Path]:
+    """(the override that puts WITNESS on every rank's path, the folder its records go to)."""
+    site = root / "site"
+    (site / "seen").mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(WITNESS)
+    return f"distributed.env={{PYTHONPATH: {site}}}", site / "seen"
+
+
+def witnessed(seen: Path, module: str) -> dict[str, dict]:
+    """{RANK: its record} of the processes that ran `module` (a stage's ranks, not their helpers)."""
+    records = (json.loads(f.read_text()) for f in seen.glob("*.json"))
+    return {r["rank"]: r for r in records if module in r["argv"]}
 
 
 def copy_store(src_root: Path, dst_root: Path, *stages):

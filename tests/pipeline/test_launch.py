@@ -232,32 +232,6 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tokenized, tmp_pa
     log.close()
 
 
-@pytest.mark.slow
-def test_two_pipelines_run_side_by_side_on_one_host(prefect_server, tokenized, tmp_path):
-    """Two `gptforge run`s at once, each with its own run root (their tokenize reused, so that their pretraining
-    starts at once), against the session's Prefect server: every stage's rendezvous takes a free port, so neither
-    collides with the other (a fixed 29500 made the second fail with EADDRINUSE)."""
-    import os
-    import subprocess
-
-    from prefect.settings import PREFECT_API_URL
-
-    from tests.helpers import config, copy_store
-
-    procs = []
-    for name in ("a", "b"):
-        _, path = config(tmp_path / name, "sft.enabled=false", "reward.enabled=false", "preference.enabled=false",
-                         "pretrain.max_steps=12")
-        copy_store(tokenized, tmp_path / name, "tokenize")
-        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-        procs.append(subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(path)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out[-3000:]
-        assert "run tiny finished" in out
-
-
 def test_a_line_printed_after_a_progress_bar_redraw_is_logged_whatever_the_bar_rate():
     """tqdm redraws end without a newline: a warning printed right after one (rank 0's, between two redraws) shares
     the bar's line. Redraws are logged at most every `progress_every` seconds; the warning always is, on its own."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gptforge.pipeline.store import locate
+from gptforge.pipeline.store import locate, read_manifest
 from tests.conftest import ROOT
 from tests.helpers import config, logged, tokenize_from
 from tests.hosts import ADDRS, NAMES, Hosts, Slurm, slurm_unavailable, unavailable
@@ -199,7 +199,7 @@ def test_pretrain_as_a_slurm_job_across_the_two_hosts(hosts, over_ssh, tokenized
 
 def test_sft_then_dpo_across_the_two_hosts(hosts, chain, dpo, tmp_path):
     """SFT (ZeRO-3) and a TRL stage (DPO: an accelerate launch on each host, node-a hosting its rendezvous) across
-    the two hosts: the training of one host with 2 processes."""
+    the two hosts: the training of one host with 2 processes, each of DPO's six steps' losses that of one host."""
     from tests.conftest import DPO
     from tests.helpers import copy_store
 
@@ -207,7 +207,7 @@ def test_sft_then_dpo_across_the_two_hosts(hosts, chain, dpo, tmp_path):
         return [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
     cfg, path = two_hosts(chain["root"], tmp_path, *DPO, "distributed.zero_stage=3", "distributed.launcher=torchrun",
-                          "preference.log_every=10", "preference.save_every=10")
+                          "preference.log_every=1", "preference.save_every=10")
     copy_store(chain["root"], tmp_path, "pretrain")
     for stage in ("sft", "dpo"):
         rc, out, manifest = run_on_a(hosts, path, stage)
@@ -215,9 +215,9 @@ def test_sft_then_dpo_across_the_two_hosts(hosts, chain, dpo, tmp_path):
         assert manifest["world_size"] == 2 and "[node 1]" in out
     sft_dir = locate(cfg, "sft")[0]
     assert logged(sft_dir, "loss") == pytest.approx(logged(chain["sft"][1], "loss"), abs=2e-4)
-    logged_dpo = [r for r in rows(locate(cfg, "dpo")[0]) if "loss" in r]
-    each_step = [r["loss"] for r in rows(dpo[1]) if "loss" in r]
-    assert logged_dpo[-1]["loss"] == pytest.approx(sum(each_step) / len(each_step), abs=1e-3)
+    ours, theirs = ([r for r in rows(d) if "loss" in r] for d in (locate(cfg, "dpo")[0], dpo[1]))
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], abs=1e-3)
     assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
 
 
@@ -294,6 +294,8 @@ def test_tokenize_on_a_ray_cluster_across_the_two_hosts(hosts, tmp_path):
     assert files[0] == files[1] and len(files[0]) >= 6
     for name in files[0]:
         assert (dirs[0] / "shards" / name).read_bytes() == (dirs[1] / "shards" / name).read_bytes(), name
+    assert len({read_manifest(d)["fingerprint"] for d in dirs}) == 1  # where it runs is not what it is
+    assert len({(d / "tokenizer" / "tokenizer.json").read_bytes() for d in dirs}) == 1
     assert not hosts.pids(0) and not hosts.pids(1), (hosts.processes(0), hosts.processes(1))
 
 

@@ -1,6 +1,8 @@
 """GRPO with TRL (ZeRO-2, 2 processes), rewarded by tiny.yaml's rewards (exact match with the demo's answers and the
 reward model, each logged by name), with the ptx term."""
 
+import json
+
 import pytest
 
 from gptforge.model.train.metrics import check_names
@@ -10,13 +12,19 @@ pytestmark = pytest.mark.slow
 
 
 def test_grpo(chain, tmp_path):
+    """Its log interval (10) is longer than the run (2 steps): the last step is logged all the same, and the run's
+    loss and rate are reported."""
     cfg, path = prepared(chain, tmp_path, "preference.algorithm=grpo", "distributed.zero_stage=2",
-                         "preference.max_steps=2", "preference.grpo.scale_rewards=none")
+                         "preference.max_steps=2", "preference.grpo.scale_rewards=none", "preference.log_every=10")
     manifest, out_dir, _ = run_stage(cfg, path, "grpo")
-    assert manifest["metrics"]["global_step"] == 2
+    m = manifest["metrics"]
+    assert m["global_step"] == 2
     assert changed_from_sft(chain, out_dir)
+    rows = [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [2]
+    assert m["train_loss"] == pytest.approx(logged(out_dir, "loss")[-1]) and m["tokens_per_sec"] > 0
     ptx = logged(out_dir, "ptx_loss")  # tiny.yaml: preference.grpo.ptx_coef > 0, the chosen responses' loss
-    assert len(ptx) == 2 and all(0 < x < 10 for x in ptx), ptx
+    assert len(ptx) == 1 and all(0 < x < 10 for x in ptx), ptx
     names = logged_names(out_dir)
     assert {"loss", "lr", "reward_mean", "kl", "kl_per_token", "response_length", "rewards/exact_match",
             "rewards/reward_model"} <= names

@@ -12,7 +12,7 @@ from gptforge.model.train.metrics import check_names
 from gptforge.pipeline.store import locate
 from gptforge.model.train.metrics import MEASURED
 from tests.conftest import PPO
-from tests.helpers import as_killed, changed_from_sft, launch, logged, logged_names, prepared, run_stage
+from tests.helpers import changed_from_sft, kill_after_checkpoint, launch, logged, logged_names, prepared, run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +32,13 @@ def test_ppo_trains_and_logs(chain, ppo):
     assert changed_from_sft(chain, out_dir)
 
 
-def test_ppo_resumed_from_its_step_4_checkpoint_matches_uninterrupted(chain, ppo, tmp_path):
-    """The session's PPO as a run killed after its step-4 checkpoint (its output without manifest, result and
-    export; the SIGKILL itself: test_pretrain.py): the rerun resumes there and ends on the uninterrupted run's
-    metrics and rewards."""
+def test_ppo_sigkilled_after_its_step_4_checkpoint_reruns_to_the_uninterrupted_run(chain, ppo, tmp_path):
+    """The session's PPO, SIGKILLed (its whole process group) once its step-4 checkpoint is complete: the rerun
+    resumes there and ends on the uninterrupted run's metrics and rewards."""
     cfg, path = prepared(chain, tmp_path, *PPO)
-    killed = as_killed(ppo[1], locate(cfg, "ppo")[0], "step-00000004")
-    assert sorted(p.name for p in (killed / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000004"]
+    assert locate(cfg, "ppo")[0].name == ppo[1].name  # the session's run, fingerprint for fingerprint
+    killed = kill_after_checkpoint(cfg, path, "ppo", 4)
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step-*"))[:2] == ["step-00000002", "step-00000004"]
     manifest, out_dir, out = run_stage(cfg, path, "ppo")
     assert f"[ppo] resumed from {killed / 'checkpoints' / 'step-00000004'}" in out
     for key, value in manifest["metrics"].items():

@@ -15,8 +15,8 @@ from gptforge.core.files import sha256_file
 from gptforge.model.train.checkpoints import newest_valid_checkpoint
 from gptforge.pipeline.store import locate
 from gptforge.stages.pretrain import load_data
-from tests.helpers import (config, copy_store, kill_after_checkpoint, launch, logged, run_stage, tokenize_from,
-                           tokenize_in_process)
+from tests.helpers import (config, copy_store, kill_after_checkpoint, launch, logged, rank_witness, run_stage,
+                           tokenize_from, tokenize_in_process, witnessed)
 
 pytestmark = pytest.mark.slow
 
@@ -61,10 +61,15 @@ def test_zero2_trains_and_exports(zero2, tmp_path):
 
 def test_zero3_under_the_deepspeed_launcher_gives_the_loss_curve_of_zero2(zero2, tokenized, tmp_path):
     """Built partitioned, trained partitioned: the curve of ZeRO-2 (ZeRO-0 against ZeRO-3: bench/zero3.py); its two
-    processes started by the deepspeed launcher."""
-    manifest, out_dir, _ = pretrain(tokenized, tmp_path, "distributed.zero_stage=3", "distributed.launcher=deepspeed",
-                                    "pretrain.save_every=100")
+    processes started by the deepspeed launcher (its own log lines: the world it was given, each rank it spawned
+    with DeepSpeed's --local_rank), the engine reporting ZeRO-3."""
+    manifest, out_dir, out = pretrain(tokenized, tmp_path, "distributed.zero_stage=3",
+                                      "distributed.launcher=deepspeed", "pretrain.save_every=100")
     assert manifest["world_size"] == 2 and manifest["metrics"]["global_step"] == 30
+    assert re.search(r"\[launch\.py:\d+:main\] WORLD INFO DICT: \{'localhost': \[0, 1\]\}", out), out[-3000:]
+    assert sorted(re.findall(r"\[launch\.py:\d+:main\] process \d+ spawned with command: \[.*'gptforge\.stages\."
+                             r"pretrain', '--local_rank=(\d)'", out)) == ["0", "1"], out[-3000:]
+    assert re.search(r"^\[pretrain\] .*, world 2, ZeRO-3, ", out, re.M), out[-3000:]  # the engine's own stage
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=2e-4)
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=2e-4)
 
@@ -73,9 +78,16 @@ def test_compiled_model_under_accelerate_gives_the_same_loss_curve_and_export(ze
     """torch.compile through DeepSpeed's engine, its two processes started by `accelerate launch`."""
     from safetensors import safe_open
 
+    witness, seen = rank_witness(tmp_path)
     manifest, out_dir, out = pretrain(tokenized, tmp_path, "distributed.zero_stage=2", "pretrain.compile=true",
-                                      "distributed.launcher=accelerate", "pretrain.save_every=100")
-    assert "torch.compile" in out and manifest["world_size"] == 2
+                                      "distributed.launcher=accelerate", "pretrain.save_every=100", witness)
+    assert manifest["world_size"] == 2
+    assert re.search(r"^\[pretrain\] .*, ZeRO-2, .*, torch\.compile", out, re.M), out[-3000:]  # the engine compiled
+    ranks = witnessed(seen, "gptforge.stages.pretrain")
+    assert sorted(ranks) == ["0", "1"], ranks
+    for r in ranks.values():  # each rank started by torch elastic under accelerate's launch, told to use DeepSpeed
+        assert r["parent"][1:3] == ["-m", "accelerate.commands.launch"], r
+        assert r["env"]["ACCELERATE_USE_DEEPSPEED"] == "true" and r["env"]["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=1e-3)
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=1e-3)
     keys = [sorted(safe_open(d / "model" / "model.safetensors", "pt").keys()) for d in (out_dir, zero2[1])]

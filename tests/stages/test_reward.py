@@ -10,7 +10,7 @@ import pytest
 
 from gptforge.model.train.metrics import MEASURED
 from gptforge.pipeline.store import locate
-from tests.helpers import as_killed, config, copy_store, logged, run_stage
+from tests.helpers import config, copy_store, kill_after_checkpoint, logged, run_stage
 
 pytestmark = pytest.mark.slow
 ZEROS = ["distributed.zero_stage=3"]
@@ -32,11 +32,12 @@ def test_reward_model_exports_a_sequence_classifier(chain, tmp_path):
 
 
 def test_killed_then_rerun_matches_uninterrupted(chain, tmp_path):
-    """The session's reward model as a run killed after its step-10 checkpoint: the rerun ends on the uninterrupted
-    run."""
+    """The session's reward model, SIGKILLed (its whole process group) once its step-10 checkpoint is complete: the
+    rerun resumes there and ends on the uninterrupted run."""
     cfg, path = config(tmp_path, *ZEROS)
     copy_store(chain["root"], tmp_path, "tokenize", "pretrain", "sft")
-    killed = as_killed(chain["reward"][1], locate(cfg, "reward")[0], "step-00000010")
+    assert locate(cfg, "reward")[0].name == chain["reward"][1].name  # the session's run, fingerprint for fingerprint
+    killed = kill_after_checkpoint(cfg, path, "reward", 10)
     manifest, out_dir, out = run_stage(cfg, path, "reward")
     assert f"[reward] resumed from {killed / 'checkpoints' / 'step-00000010'}" in out
     want = chain["reward"][0]["metrics"]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from gptforge.model.train.metrics import MEASURED
 from gptforge.pipeline.store import locate
-from tests.helpers import as_killed, config, copy_store, logged, run_stage
+from tests.helpers import config, copy_store, kill_after_checkpoint, logged, run_stage
 
 pytestmark = pytest.mark.slow
 ZEROS = ["distributed.zero_stage=3"]
@@ -32,10 +32,12 @@ def test_sft_trains_and_exports(chain):
 
 
 def test_killed_then_rerun_matches_uninterrupted(chain, tmp_path):
-    """The session's SFT as a run killed after its step-10 checkpoint: the rerun ends on the uninterrupted run."""
+    """The session's SFT, SIGKILLed (its whole process group) once its step-10 checkpoint is complete: the rerun
+    resumes there and ends on the uninterrupted run."""
     cfg, path = config(tmp_path, *ZEROS)
     copy_store(chain["root"], tmp_path, "tokenize", "pretrain")
-    killed = as_killed(chain["sft"][1], locate(cfg, "sft")[0], "step-00000010")
+    assert locate(cfg, "sft")[0].name == chain["sft"][1].name  # the session's run, fingerprint for fingerprint
+    killed = kill_after_checkpoint(cfg, path, "sft", 10)
     manifest, out_dir, out = run_stage(cfg, path, "sft")
     assert f"[sft] resumed from {killed / 'checkpoints' / 'step-00000010'}" in out
     want = chain["sft"][0]["metrics"]

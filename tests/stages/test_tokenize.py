@@ -3,6 +3,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer
 
 from gptforge.core.config import dump_config
 from gptforge.core.errors import DataError
+from gptforge.data.parallel import in_process
 from gptforge.data.shards import TokenStream, read_index
 from gptforge.pipeline.store import execute, locate
 from gptforge.stages import tokenize
@@ -69,20 +71,18 @@ def test_a_bad_row_fails_the_stage_when_asked(small_cfg, corpus):
         execute(small_cfg(f"data.pretrain={path}", "data.on_bad_row=fail"), "tokenize")
 
 
+@contextmanager
+def this_process(address, workers, units):
+    """tokenize's engine for units encoded in this process rather than on Ray."""
+    yield in_process
+
+
 @pytest.fixture
 def units_in_this_process(monkeypatch):
     """The stage's units encoded in this process rather than on a local Ray instance (a few seconds to start, and
-    not what these tests are about; the Ray path: tests/pipeline/test_two_hosts.py (a cluster across two hosts
-    against the local instance), and test_listening.py)."""
-    from contextlib import contextmanager
-
-    from gptforge.data.parallel import in_process
-
-    @contextmanager
-    def here(address, workers, units):
-        yield in_process
-
-    monkeypatch.setattr(tokenize, "engine", here)
+    not what these tests are about; the Ray path: test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_
+    process below, tests/pipeline/test_two_hosts.py (a cluster across two hosts), and test_listening.py)."""
+    monkeypatch.setattr(tokenize, "engine", this_process)
 
 
 def test_bpe_trains_on_a_sample_drawn_across_the_whole_corpus(small_cfg, tmp_path, capsys, units_in_this_process):
@@ -121,6 +121,65 @@ def test_a_killed_stage_reruns_only_its_unfinished_units(small_cfg, tmp_path, un
     assert rewritten == {n for n in before if n.split("-")[1] == "00002"}  # the other units were kept
     assert {k: v for k, v in again.items() if k not in MEASURED} == {
         k: v for k, v in first.items() if k not in MEASURED}
+
+
+@pytest.mark.slow
+def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(small_cfg, tmp_path, monkeypatch):
+    """The same corpus tokenized on a 2-CPU Ray cluster started here on 127.0.0.1 (`tokenizer.cluster`) and unit by
+    unit in this process: the cluster's workers ran the tasks; the same fingerprint (where it runs is not what it
+    is), token for token the same shards and byte for byte the same tokenizer.json. (Across two hosts:
+    tests/pipeline/test_two_hosts.py; the stage's own local instance: tests/pipeline/test_listening.py.)"""
+    import os
+    import shutil
+    import signal
+    import socket
+    from pathlib import Path
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(5):
+        (corpus / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"{w} number {i} of part {k}"}) + "\n"
+                                                        for i, w in enumerate(MIXED * 60)))
+    port, temp = free_port(), Path(f"/tmp/gfray{os.getpid()}")  # (Ray's socket paths must stay short)
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", f"--temp-dir={temp}",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        here = small_cfg(f"data.pretrain={corpus}", f"run.root={tmp_path / 'here'}")
+        cluster = small_cfg(f"data.pretrain={corpus}", f"run.root={tmp_path / 'cluster'}",
+                            f"tokenizer.cluster=127.0.0.1:{port}")
+        with monkeypatch.context() as m:
+            m.setattr(tokenize, "engine", this_process)
+            outputs = [execute(here, "tokenize")]
+        deadline = time.time() + 120
+        while True:  # the head answers once its GCS is up
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline and head.poll() is None, "the Ray head did not start"
+                time.sleep(0.5)
+        outputs.append(execute(cluster, "tokenize"))
+        workers = list(temp.glob("session_*/logs/python-core-worker-*.log"))
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(3)
+        except subprocess.TimeoutExpired:  # (Ray takes half a minute to stop by itself)
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert workers, "the cluster ran none of the tasks"
+    assert outputs[0]["fingerprint"] == outputs[1]["fingerprint"]
+    dirs = [locate(c, "tokenize")[0] for c in (here, cluster)]
+    files = [sorted(f.name for f in (d / "shards").glob("*.bin")) for d in dirs]
+    assert files[0] == files[1] and len(files[0]) >= 5
+    for name in files[0]:
+        assert (dirs[0] / "shards" / name).read_bytes() == (dirs[1] / "shards" / name).read_bytes(), name
+    tokenizers = [(d / "tokenizer" / "tokenizer.json").read_bytes() for d in dirs]
+    assert tokenizers[0] == tokenizers[1]
 
 
 def test_a_cluster_nobody_answers_at_is_a_clear_error(small_cfg, tmp_path):
