@@ -110,8 +110,12 @@ def main(argv: list[str] | None = None) -> dict:
                 cfg = load_config(str(args.root / f"seed{seed}.yaml"))
                 folder = locate(cfg, algorithm)[0]
                 timeline = [json.loads(line) for line in (folder / "logs" / "timeline.jsonl").read_text().splitlines()]
-                got = results.setdefault((algorithm, mode), {"step_s": [], "exact_match": []})
+                got = results.setdefault((algorithm, mode), {"step_s": [], "exact_match": [], "steps": [],
+                                                             "updates": []})
                 got["step_s"].append(step_time(timeline))
+                got["steps"].append(metrics[algorithm]["global_step"])
+                got["updates"].append(len({s["step"] for s in timeline if s["who"] == "trainer"
+                                           and s["what"] == "train"}))
                 got["exact_match"].append(metrics[f"eval-{algorithm}"]["exact_match"])
                 if seed == args.seeds[0]:
                     timelines[f"{algorithm} {mode}"] = timeline
@@ -125,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = {}
     for (algorithm, mode), got in results.items():
         print(f"| {algorithm} | {mode} | {mean_se(got['step_s'])} | {mean_se(got['exact_match'])} |")
+    for (algorithm, mode), got in results.items():  # both modes did the same work: the same steps and updates
+        print(f"work: {algorithm} {mode}: {got['steps']} steps, {got['updates']} updates")
     for algorithm in args.algorithms:
         each = [s / a for s, a in zip(results[algorithm, "sync"]["step_s"], results[algorithm, "async"]["step_s"])]
         ratios[algorithm] = statistics.mean(each)

@@ -65,7 +65,7 @@ def worker(seq_len: int, setup: str, steps: int) -> None:
     positions = torch.arange(seq_len)[None]
     if sp is not None:
         inputs, y, positions = sp.shard(inputs), sp.shard(y), sp.shard(positions)
-    times = []
+    times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         loss, _ = lm_loss(model, {"input_ids": inputs, "position_ids": positions, "use_cache": False}, y, tiles)
@@ -78,8 +78,10 @@ def worker(seq_len: int, setup: str, steps: int) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        losses.append(loss.item())  # this rank's slice's mean (sequence parallel: slices of one length)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"rank": rank, "peak": peak, "step_s": min(times), "tokens": seq_len}), flush=True)
+    print(json.dumps({"rank": rank, "peak": peak, "step_s": min(times), "tokens": int(y.numel()), "losses": losses}),
+          flush=True)
 
 
 def free_port() -> int:
@@ -134,10 +136,13 @@ def main() -> None:
             if not fits:
                 break
             longest[setup], length = length, length * 2
-    rates = {}
+    rates, losses, tokens = {}, {}, {}
     for setup in setups:
         reports = trial(args.common, setup, steps=3)
         rates[setup] = args.common / max(r["step_s"] for r in reports) if reports else None
+        if reports:  # the whole sequence's loss: the mean of the ranks' (slices of one length)
+            tokens[setup] = sum(r["tokens"] for r in reports)
+            losses[setup] = [sum(step) / len(reports) for step in zip(*(r["losses"] for r in reports))]
     print(f"\nlongest sequence under {args.cap_gib:g} GiB a rank (a step of 1 sequence, AdamW):")
     for setup in setups:
         print(f"  {setup:10s} {longest[setup]:6d}  ({longest[setup] / max(longest['baseline'], 1):.1f}x baseline)")
@@ -147,6 +152,10 @@ def main() -> None:
         rate = rates[setup]
         print(f"  {setup:10s} {'n/a' if rate is None else f'{rate:8.0f}'}"
               f"  ({'n/a' if not rate or not base else f'{rate / base:.2f}x'})")
+    print(f"the same work at {args.common} tokens (tokens a step over the ranks, each step's loss):")
+    for setup in setups:
+        print(f"  {setup:10s} {tokens.get(setup, 0):6d} tokens  losses "
+              + " ".join(f"{x:.6f}" for x in losses.get(setup, [])))
     ratio = longest["tiled+sp"] / max(longest["baseline"], 1)
     speed = (rates["tiled+sp"] or 0) / (rates["baseline"] or 1)
     print(f"targets: longest >= 3x baseline: {ratio:.1f}x {'met' if ratio >= 3 else 'NOT met'}; tokens/s >= 0.8x "

@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from gptforge.core.config import load_config  # noqa: E402
 from gptforge.core.errors import StageFailed  # noqa: E402
+from gptforge.core.files import MODEL_OUTPUTS  # noqa: E402
 from gptforge.pipeline.launch import run_stage  # noqa: E402
-from gptforge.pipeline.store import RunRecord  # noqa: E402
+from gptforge.pipeline.store import RunRecord, locate  # noqa: E402
 
 BATCH = ["sft.micro_batch_size=8", "sft.global_batch_size=8", "sft.max_length=128", "sft.warmup_steps=2",
          "data.demo.sft_items=2000", "data.demo.eval_items=40"]
@@ -72,9 +73,21 @@ def ours(root: Path, model: Path, steps: int, nproc: int, lora: bool) -> dict:
     path.write_text(json.dumps(cfg.model_dump(mode="json")))
     lines: list[str] = []
     try:
-        return run_stage(cfg, "sft", path, RunRecord(cfg), lines.append)["metrics"]
+        metrics = run_stage(cfg, "sft", path, RunRecord(cfg), lines.append)["metrics"]
     except StageFailed as e:
         sys.exit(f"{e}\n" + "\n".join(lines[-60:]))
+    adapter = locate(cfg, "sft")[0] / MODEL_OUTPUTS["adapter"] / "adapter_model.safetensors"
+    return {**metrics, "trained_parameters": adapter_size(adapter) if lora else None}
+
+
+def adapter_size(path: Path) -> int:
+    """Parameters in a saved adapter: what LoRA trained."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def trl_sft(root: Path, model: Path, steps: int) -> dict:
@@ -103,7 +116,9 @@ def trl_sft(root: Path, model: Path, steps: int) -> dict:
                                                 target_modules="all-linear", task_type="CAUSAL_LM"),
                          callbacks=[metrics])
     trainer.train()
-    return {**metrics.final(), "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return {**metrics.final(), "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "global_step": trainer.state.global_step, "trained_parameters": trained}
 
 
 def main() -> None:
@@ -127,6 +142,8 @@ def main() -> None:
           f"rank, {lora['tokens_per_sec']} tokens/s")
     print(f"TRL SFTTrainer + PEFT    (1 process): peak host {trl['peak_host_memory_gib']:.3f} GiB, "
           f"{trl['tokens_per_sec']} tokens/s")
+    for name, r in (("gptforge LoRA", lora), ("TRL SFTTrainer", trl)):  # the ratio compares the same work
+        print(f"work: {name}: {r['global_step']} steps, {r['trained_parameters']:,} parameters trained")
     if full["peak_host_memory_gib"] and lora["tokens_per_sec"] and trl["tokens_per_sec"]:
         print(f"memory: LoRA / full = {lora['peak_host_memory_gib'] / full['peak_host_memory_gib']:.2f}x "
               f"(target <= 0.5x)")

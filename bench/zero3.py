@@ -73,6 +73,8 @@ def sft(root: Path, arch: list[str], zero_stage: int, *overrides: str) -> tuple[
     if proc.returncode != 0:
         sys.exit(f"SFT under ZeRO-{zero_stage} failed:\n{proc.stdout[-3000:]}{proc.stderr[-8000:]}")
     peaks = [float(x) for x in re.findall(r"\[memory\] rank \d: peak host ([\d.]+) GiB", proc.stderr)]
+    if len(peaks) != 2:  # a rank's report missing would shrink min() and max() to the other's
+        sys.exit(f"SFT under ZeRO-{zero_stage}: {len(peaks)} of 2 ranks reported a peak\n{proc.stderr[-3000:]}")
     return out, peaks
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_ppo_bench(chain):
     out = bench("ppo.py", "-c", str(chain["root"] / "pipeline.yaml"), "--prompts", "8", "--new-tokens", "4")
-    assert re.search(r"ratio cache/no cache: [\d.]+x", out), out
+    assert re.search(r"ratio cache/no cache: [\d.]+x  \(same tokens: True\)", out), out  # the same sampled tokens
     assert re.search(r"one PPO iteration .*\n  generation .*\n  scoring .*\n  training ", out), out
 
 
@@ -53,4 +53,6 @@ def test_async_rl_bench(chain, tmp_path):
                 *sets(CHAINED))
     assert re.search(r"\| ppo \| sync \| [\d.]+ ± nan \| [\d.]+ ± nan \|\n\| ppo \| async \| [\d.]+ ± nan", out), out
     assert re.search(r"ppo step time sync / async: [\d.]+x", out), out
+    work = dict(re.findall(r"^work: ppo (sync|async): (.*)$", out, re.M))  # a ratio of the same work
+    assert work["sync"] == work["async"] == "[4] steps, [4] updates", out
     assert (tmp_path / "timeline.png").stat().st_size > 0

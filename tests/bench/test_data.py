@@ -12,6 +12,9 @@ pytestmark = pytest.mark.slow
 def test_tokenize_bench(tmp_path):
     out = bench("tokenize_bench.py", "--gb", "0.003", "--workers", "2")
     assert re.search(r"ratio gptforge/baseline tokens/s: [\d.]+x \(target >= 1.5x\)", out), out
+    ours, base = (int(re.search(rf"^{side} +([\d,]+) tokens in", out, re.M).group(1).replace(",", ""))
+                  for side in ("gptforge", "baseline"))
+    assert ours == base > 0, out  # both sides wrote the same tokens: each document's ids and its EOS
 
 
 def test_curate_bench():
