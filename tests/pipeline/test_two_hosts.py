@@ -5,6 +5,7 @@ Slurm job across them reaches both with srun (`node_launcher: slurm`)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,6 +118,9 @@ def test_deepspeed_per_node_launchers_over_ssh_train_as_one_host_does(hosts, pre
     rc, out, manifest = run_on_a(hosts, path, "pretrain")
     assert rc == 0, out[-4000:]
     assert manifest["world_size"] == 2 and "[node 1]" in out
+    for n in (0, 1):  # DeepSpeed's launcher on each host, saying so
+        assert re.search(rf"^\[node {n}\] .*\[launch\.py:\d+:main\] nnodes=2, num_local_procs=1, node_rank={n}$",
+                         out, re.M), out[-3000:]
     out_dir = locate(cfg, "pretrain")[0]
     assert logged(out_dir, "loss") == pytest.approx(logged(pretrained[1], "loss"), abs=2e-4)
     assert manifest["metrics"]["val_loss"] == pytest.approx(pretrained[0]["metrics"]["val_loss"], abs=2e-4)

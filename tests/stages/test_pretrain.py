@@ -189,10 +189,17 @@ def test_shards_from_another_tokenizer_are_a_clear_error(zero2, tmp_path):
 
 def test_two_local_nodes_give_the_output_of_one_node_with_two_processes(zero2, tokenized, tmp_path):
     """2 "nodes" x 1 process on this host (torchrun agents meeting through the c10d rendezvous, as across real
-    nodes): one output, the same loss curve as 1 node x 2 processes."""
+    nodes): one output, the same loss curve as 1 node x 2 processes; each rank started by torch's elastic agent."""
+    witness, seen = rank_witness(tmp_path)
     manifest, out_dir, out = pretrain(tokenized, tmp_path, "distributed.zero_stage=2", "distributed.launcher=torchrun",
-                                      "distributed.nnodes=2", "distributed.nproc_per_node=1", "pretrain.save_every=100")
+                                      "distributed.nnodes=2", "distributed.nproc_per_node=1", "pretrain.save_every=100",
+                                      witness)
     assert manifest["world_size"] == 2 and "[node 0]" in out and "[node 1]" in out
+    ranks = witnessed(seen, "gptforge.stages.pretrain")
+    assert sorted(ranks) == ["0", "1"], ranks
+    for r in ranks.values():  # torchrun's agent, one a node, both in the stage's rendezvous
+        assert r["parent"][1:3] == ["-m", "torch.distributed.run"] and "--nnodes=2" in r["parent"], r
+        assert r["env"]["TORCHELASTIC_RUN_ID"].startswith("pretrain-"), r
     assert logged(out_dir, "loss") == pytest.approx(logged(zero2[1], "loss"), abs=2e-4)
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=2e-4)
 
