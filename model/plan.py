@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gptforge.core.declarations import DENSE_MASKS, TRAINED_SECTIONS
 from gptforge.core.presets import Arch
 from gptforge.model.build import attention_span, build_model, flops_per_token, parameter_counts
 
@@ -229,17 +230,19 @@ def device_memory_gib(device: torch.device) -> float | None:
     return host / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def long_context(cfg, stage: str, sp: int, seq_len: int, micro_batch: int, vocab_size: int,
+def long_context(cfg, section: str, sp: int, seq_len: int, micro_batch: int, vocab_size: int,
                  hidden: int) -> LongContext:
-    """A stage's LongContext as the config runs it (gptforge.model.train.tiling and .sequence_parallel decide);
-    `sp`: the ranks that share each of its sequences (1 where the stage takes no sequence parallelism)."""
+    """The LongContext of a stage with the training settings `section` (its declaration's), as the config runs it
+    (gptforge.model.train.tiling and .sequence_parallel decide); `sp`: the ranks that share each of its sequences (1
+    where the stage takes no sequence parallelism)."""
     from gptforge.model.train.tiling import logit_tiles, mlp_shards
 
     dist = cfg.distributed
     local = seq_len // sp
     flash = cfg.model.attention.startswith("flash")
+    mask = DENSE_MASKS.get(section)  # a whole (s, s) document mask, where the section turns one on
     return LongContext(sp, logit_tiles(dist, micro_batch, local, vocab_size), mlp_shards(dist, local, hidden),
-                       stage == "pretrain" and cfg.pretrain.document_mask and not flash,
+                       bool(mask and getattr(getattr(cfg, section), mask)) and not flash,
                        scores=cfg.model.attention == "eager")
 
 
@@ -252,10 +255,10 @@ def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int,
 
     arch, config = architecture(cfg.model)
     seq_len = getattr(train, "seq_len", None) or getattr(train, "max_length", None) or arch.n_positions
-    stage = type(train).__name__.removesuffix("Section").lower()
+    section = next(name for name in TRAINED_SECTIONS if getattr(cfg, name) is train)
     p = make_plan(arch, vocab_size, seq_len, train.micro_batch_size, world, gpus_per_node=dist.nproc_per_node,
                   config=config, lora=train.lora,
-                  lc=long_context(cfg, stage, sp, seq_len, train.micro_batch_size, vocab_size, arch.n_embd))
+                  lc=long_context(cfg, section, sp, seq_len, train.micro_batch_size, vocab_size, arch.n_embd))
     line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world,
                    device_memory_gib(device))
     return f"the planner ({cfg.model.name()}): {line}"

@@ -174,8 +174,8 @@ def reference_is_policy(cfg) -> bool:
 def start_model(cfg, inputs: dict[str, Path]) -> Path:
     """The model SFT starts from (and eval-sft compares with): the pretrain stage's output when the pipeline
     pretrains, else model.pretrained (a hub snapshot or a local directory)."""
-    if "pretrain" in inputs:
-        return inputs["pretrain"] / "model"
+    if (pretrained := inputs.get("pretrain")) is not None:
+        return pretrained / "model"
     return model_dir(cfg.model.pretrained, cfg.model.revision)
 
 

@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from gptforge.core.config import ALGORITHMS, load_config
+from gptforge.core.config import load_config
 from gptforge.core.errors import ConfigError, UserError, storage_error
 from gptforge.pipeline import prefect_env
 from gptforge.pipeline.report import metrics_table
-from gptforge.stages.registry import STAGES
+from gptforge.core.declarations import STAGES
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -254,15 +254,16 @@ def cmd_plan(args) -> int:
     from gptforge.model.pretrained import architecture
 
     cfg = load_config(args.config, args.set)
-    section = cfg.preference if args.stage in ALGORITHMS else getattr(cfg, args.stage)
-    sp = cfg.distributed.sequence_parallel if STAGES[args.stage].sequence_parallel else 1
+    decl = STAGES[args.stage]
+    section = getattr(cfg, decl.section)
+    sp = cfg.distributed.sequence_parallel if decl.sequence_parallel else 1
     arch, config = architecture(cfg.model)  # model.pretrained: its config.json
-    default_len = cfg.pretrain.seq_len if args.stage == "pretrain" else section.max_length
+    default_len = getattr(section, decl.length)
     seq_len = default_len if args.seq_len is None else args.seq_len
     vocab = args.vocab_size or arch.vocab_size
     plan = make_plan(arch, vocab, seq_len, section.micro_batch_size, args.gpus, args.tokens, args.peak_tflops,
                      args.mfu, args.gpus_per_node, config, section.lora,
-                     long_context(cfg, args.stage, sp, seq_len, section.micro_batch_size, vocab, arch.n_embd))
+                     long_context(cfg, decl.section, sp, seq_len, section.micro_batch_size, vocab, arch.n_embd))
     name = cfg.model.name() + (f", {args.stage} with LoRA r={section.lora.r}" if section.lora.r else "")
     print(render(plan, name, args.gpus, args.gpu_mem, seq_len, section.micro_batch_size,
                  args.tokens is not None, args.peak_tflops, args.mfu, cfg.distributed.activation_checkpointing))
@@ -339,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs a node (host memory is per node)")
     pl.add_argument("--gpu-mem", type=float, default=None, help="GPU memory in GiB, to say what fits")
     pl.add_argument("--tokens", type=float, default=None, help="training tokens (default: 20 per parameter)")
-    pl.add_argument("--stage", choices=[s.name for s in STAGES.values() if s.launcher != "single"],
+    pl.add_argument("--stage", choices=[s.name for s in STAGES.values() if s.section],
                     default="pretrain", help="the training stage planned: its section's micro-batch, length and lora")
     pl.add_argument("--seq-len", type=int, default=None, help="default: the stage's seq_len or max_length")
     pl.add_argument("--vocab-size", type=int, default=None, help="default: the preset's vocabulary")

@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run, task_run
 
 from gptforge.core.config import PipelineConfig, dump_config, load_config
+from gptforge.core.declarations import STAGES
 from gptforge.core.errors import UserError
 from gptforge.core.files import write_text_atomic
 from gptforge.pipeline.approval import approve
@@ -65,12 +66,12 @@ def run_here(cfg: PipelineConfig, stage: str, config_path: Path, log, recompute:
                           description=f"{stage} final metrics; output: {out_dir.resolve().as_uri()}")
     create_link_artifact(key=f"{stage}-output", link=out_dir.resolve().as_uri(), link_text=str(out_dir.resolve()),
                          description=f"{stage}: its output (a Hugging Face checkpoint in model/ if it trains one)")
-    if stage == "curate":  # the funnel, its plot inline (the UI cannot reach the run's files)
+    if "funnel" in STAGES[stage].outputs:  # the funnel, its plot inline (the UI cannot reach the run's files)
         with tempfile.TemporaryDirectory() as tmp:
             draw_funnel(manifest["metrics"], Path(tmp) / f"{FUNNEL}.png")
             png = base64.b64encode((Path(tmp) / f"{FUNNEL}.png").read_bytes()).decode()
-        create_markdown_artifact(key="curate-funnel", markdown=funnel_markdown(
-            out_dir, lambda name: f"data:image/png;base64,{png}"), description="curate: what each step removed")
+        create_markdown_artifact(key=FUNNEL, markdown=funnel_markdown(
+            out_dir, lambda name: f"data:image/png;base64,{png}"), description=f"{stage}: what each step removed")
     return manifest
 
 

@@ -30,7 +30,7 @@ from gptforge.pipeline.preflight import check_devices
 from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
 from gptforge.pipeline.team import gpu_slots
 from gptforge.pipeline.store import RunRecord, check_inputs, complete, locate, now, read_result, reuse
-from gptforge.stages.registry import STAGES
+from gptforge.core.declarations import STAGES
 
 
 @contextmanager

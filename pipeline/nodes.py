@@ -34,7 +34,7 @@ from gptforge.core.config import PipelineConfig
 from gptforge.model.train.tracking import PARENT_ENV
 from gptforge.core.errors import UserError
 from gptforge.stages.entry import stage_args
-from gptforge.stages.registry import STAGES
+from gptforge.core.declarations import STAGES
 
 SLURM_NODE = "__SLURM_NODEID__"  # replaced by $SLURM_NODEID in the srun command
 

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from gptforge.core.config import ALGORITHMS, ONLINE_ALGORITHMS, PipelineConfig, dump_config
+from gptforge.core.config import PipelineConfig, dump_config
 from gptforge.core.errors import ConfigError
 from gptforge.data.sources import kind_of
 from gptforge.model.eval.harness import check_tasks
@@ -38,7 +38,8 @@ from gptforge.model.pretrained import check_models
 from gptforge.pipeline.nodes import deepspeed_runner, launcher_of, read_hostfile, single_process
 from gptforge.pipeline.store import fingerprints, pipeline_steps
 from gptforge.pipeline.team import check_team, pool_of
-from gptforge.stages.registry import STAGES, data_parallel
+from gptforge.core.declarations import STAGES
+from gptforge.stages.registry import data_parallel
 
 CHECKED: set[tuple[str, tuple[str, ...], bool]] = set()  # checked, and not asked again since
 
@@ -58,6 +59,8 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     check_devices(cfg, selected)
     if cfg.eval.harness_tasks:
         check_tasks(cfg.eval)
+    # curate is the one stage with files of its own to check (its language model, decontamination lists and
+    # sources): a declaration field that one stage alone sets would only rename this comparison
     if "curate" in selected:
         check_curate(cfg)
     check_models(cfg)
@@ -73,7 +76,7 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
 def check_layout(cfg: PipelineConfig, steps: list[str]) -> None:
     """What an online stage that takes sequence parallelism cannot share over its sequence-parallel groups."""
     pc, sp = cfg.preference, cfg.distributed.sequence_parallel
-    for algo in (s for s in steps if s in ONLINE_ALGORITHMS and STAGES[s].sequence_parallel and sp > 1):
+    for algo in (s for s in steps if STAGES[s].reads == "prompts" and STAGES[s].sequence_parallel and sp > 1):
         oc, groups = getattr(pc, algo), data_parallel(cfg.distributed, algo)
         if oc.ptx_coef:
             raise ConfigError(f"preference.{algo}.ptx_coef with distributed.sequence_parallel={sp}: the ptx rows are "
@@ -99,8 +102,8 @@ def check_devices(cfg: PipelineConfig, steps: list[str], here: bool = False) -> 
                               "node_launcher=local: DeepSpeed's runner reaches its hosts through pdsh, which this "
                               "host does not have: install it (Debian: apt-get install pdsh), or set "
                               "distributed.node_launcher=ssh")
-        section = "preference" if step in ALGORITHMS else step
-        if section not in ("pretrain", "sft", "reward", "preference"):
+        section = STAGES[step].section  # None: curate, tokenize and the evaluations train no model
+        if section is None:
             continue
         quantize = getattr(cfg, section).lora.quantize
         if not quantize:
@@ -132,7 +135,7 @@ def check_curate(cfg: PipelineConfig) -> None:
     for path in cc.decontaminate.extra if cc.decontaminate.enabled else ():
         if not Path(path).is_file():
             raise ConfigError(f"curate.decontaminate.extra: cannot read {path}: no such file")
-    for which in cc.sources:
+    for which in cc.sources:  # data sources, not stages: the demo's pretraining text is not templated rows
         if which != "pretrain" and kind_of(getattr(cfg.data, which).path) == "demo":
             raise ConfigError(f"curate.sources: data.{which} is the demo, whose templated rows are near copies by "
                               f"design and whose held-out answers its rewards verify; curate a file or hub dataset")
@@ -140,8 +143,8 @@ def check_curate(cfg: PipelineConfig) -> None:
 
 def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], None]) -> None:
     """Import each user function of preference.rewards, and call each reward server once, where a step of the run
-    is rewarded or judged by them (an online algorithm, or its evaluation)."""
-    if not any(s.removeprefix("eval-") in ONLINE_ALGORITHMS for s in steps):
+    is rewarded or judged by them (an online algorithm, or an evaluation of a policy)."""
+    if not any(STAGES[s].rewarded for s in steps):
         return
     for i, spec in enumerate(cfg.preference.rewards):
         key = f"preference.rewards[{i}]"
@@ -158,7 +161,7 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
     type hints and a docstring, and the policy's chat template renders tools (sft.chat_template, else the pretrained
     model's own: a model without one is given gptforge's ChatML, which does)."""
     pc = cfg.preference
-    if not (pc.environment or pc.tools) or not any(s.removeprefix("eval-") in ONLINE_ALGORITHMS for s in steps):
+    if not (pc.environment or pc.tools) or not any(STAGES[s].rewarded for s in steps):
         return
     from gptforge.model.rollout.calls import format_of
     from gptforge.model.rollout.tools import Setup
@@ -179,7 +182,7 @@ def check_rollouts_apart(cfg: PipelineConfig, steps: list[str]) -> None:
     correction ask (gptforge.model.rollout.engine.check), and rollout workers fit the layout: each serves at least
     one training process's batches, and GRPO's and RLOO's (inside TRL's trainers) follow no sequence-parallel
     group."""
-    rc, online = cfg.preference.rollout, [s for s in steps if s in ONLINE_ALGORITHMS]
+    rc, online = cfg.preference.rollout, [s for s in steps if STAGES[s].async_rollouts]
     if not online:
         return
     from gptforge.model.rollout.engine import check
@@ -189,10 +192,10 @@ def check_rollouts_apart(cfg: PipelineConfig, steps: list[str]) -> None:
     if not apart:
         return
     for algo in online:
-        if algo != "ppo" and rc.mode == "sync":
+        if STAGES[algo].trainer and rc.mode == "sync":
             raise ConfigError(f"preference.rollout.engine={rc.engine} in sync mode for {algo}: TRL's trainer samples "
                               "with its own policy there; give preference.rollout.mode=async to sample with the engine")
-        if algo != "ppo" and cfg.distributed.sequence_parallel > 1:
+        if STAGES[algo].sequence_parallel and cfg.distributed.sequence_parallel > 1:
             raise ConfigError(f"preference.rollout.mode=async for {algo} with distributed.sequence_parallel="
                               f"{cfg.distributed.sequence_parallel}: a sequence-parallel group shares one rank's "
                               "rollouts, which the workers' batches a process do not follow; set one of them off")

@@ -15,7 +15,7 @@ import base64
 import json
 from pathlib import Path
 
-from gptforge.core.config import ONLINE_ALGORITHMS
+from gptforge.core.declarations import STAGES
 from gptforge.core.files import write_json_atomic
 from gptforge.model.train.metrics import HARNESS
 
@@ -49,10 +49,11 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
 
 
-# What a stage's `loss` is, where it is not the next-token loss: the pairwise losses (the reward model's
-# Bradley-Terry loss, DPO's) are one number per pair; GRPO's and RLOO's a policy objective, not a likelihood.
-LOSS_UNITS = {"reward": "pairwise loss (nats/pair)", "dpo": "pairwise loss (nats/pair)",
-              "grpo": "policy loss (per token)", "rloo": "policy loss (per token)"}
+def funnel_of(stage: str, info: dict) -> Path | None:
+    """The funnel a run's stage wrote (its declaration's `funnel` output), if it wrote one."""
+    name = STAGES[stage].outputs.get("funnel") if stage in STAGES else None
+    path = Path(info["output"]) / name if name and info.get("output") else None
+    return path if path is not None and path.is_file() else None
 
 
 def stage_panels(rows: list[dict], stage: str = "") -> list[tuple[str, dict[str, list], str]]:
@@ -62,7 +63,8 @@ def stage_panels(rows: list[dict], stage: str = "") -> list[tuple[str, dict[str,
     for title, keys, unit in PANELS:
         lines = {k: points for k in keys if (points := series(rows, k))}
         if lines:
-            out.append((title, lines, LOSS_UNITS.get(stage, unit) if title == "loss" else unit))
+            what = STAGES[stage].loss_units if stage in STAGES else None  # where not the next-token loss
+            out.append((title, lines, (what or unit) if title == "loss" else unit))
     each = sorted({k for r in rows for k in r if k.startswith(REWARDS)})  # a panel per reward of preference.rewards
     return out + [(k, {k: points}, "mean reward (before weighing)") for k in each if (points := series(rows, k))]
 
@@ -199,9 +201,8 @@ def make_plots(stages: dict, plots_dir: Path) -> list[str]:
     plots_dir.mkdir(exist_ok=True)
     names, kl = [], []
     for stage, info in stages.items():
-        if stage == "curate" and info.get("output") and (Path(info["output"]) / "funnel.json").is_file():
-            draw_funnel(json.loads((Path(info["output"]) / "funnel.json").read_text())["metrics"],
-                        plots_dir / f"{FUNNEL}.png")
+        if (funnel := funnel_of(stage, info)) is not None:
+            draw_funnel(json.loads(funnel.read_text())["metrics"], plots_dir / f"{FUNNEL}.png")
             names.append(FUNNEL)
         rows = read_log(Path(info["output"])) if info.get("output") else []
         panels = stage_panels(rows, stage)
@@ -262,12 +263,12 @@ def markdown(record: dict, plots: list[str], image) -> str:
     md += [f"**{record['outcome']}**", ""] if record.get("outcome") else []
     for stage, info in record["stages"].items():
         md += [stage_table(stage, info), ""]
-    curate = record["stages"].get("curate", {}).get("output")
-    if FUNNEL in plots and curate:
-        md += [funnel_markdown(Path(curate), image), ""]
     for stage, info in record["stages"].items():
-        if stage in ONLINE_ALGORITHMS and info.get("output") and (episode := trajectory_markdown(
-                stage, Path(info["output"]))):
+        if FUNNEL in plots and funnel_of(stage, info) is not None:
+            md += [funnel_markdown(Path(info["output"]), image), ""]
+    for stage, info in record["stages"].items():
+        samples = stage in STAGES and STAGES[stage].reads == "prompts"  # an online stage's episodes
+        if samples and info.get("output") and (episode := trajectory_markdown(stage, Path(info["output"]))):
             md += [episode, ""]
     md += [f"![{n}]({image(n)})\n" for n in plots if n != FUNNEL]
     return "\n".join(md)

@@ -26,7 +26,8 @@ from gptforge.core.files import sha256_file, write_json_atomic
 from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.stages.entry import RESULT, run_rank
-from gptforge.stages.registry import EVALUATED, STAGES, named_models, pipeline_stages
+from gptforge.core.declarations import EVALUATED, STAGES
+from gptforge.stages.registry import named_models, pipeline_stages
 
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
 
@@ -34,16 +35,14 @@ STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a resu
 def data_of(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     """The data sources (`data.<name>` fields) a step reads: its declaration's, where an online stage reads
     data.prompts instead when it is set (and the preference pairs too for the ptx term's chosen responses)."""
-    data = STAGES[step].data
-    if data is None:
+    decl = STAGES[step]
+    if decl.data is None:
         return ()
-    if step == "curate":  # the sources it curates, and everything it decontaminates against
-        against = ("pretrain", "sft", "preference") + tuple(d for d in ("prompts", "eval")
-                                                            if getattr(cfg.data, d).path is not None)
-        return against if cfg.curate.decontaminate.enabled else tuple(cfg.curate.sources)
-    if step in ALGORITHMS and step != "dpo" and cfg.data.prompts.path is not None:
+    if decl.data_sources is not None:  # chosen by the config (curate's)
+        return decl.data_sources(cfg)
+    if decl.reads == "prompts" and cfg.data.prompts.path is not None:
         return ("prompts", "preference") if getattr(cfg.preference, step).ptx_coef else ("prompts",)
-    return (data,)
+    return (decl.data,)
 MANIFEST = "manifest.json"
 
 
@@ -78,8 +77,9 @@ def stage_config(cfg: PipelineConfig, step: str) -> dict:
             out[path] = owner.model_dump(mode="json", include={leaf})[leaf]
             continue
         subs = tuple(p.rsplit(".", 1)[1] for p in declared if p.startswith(path + "."))
-        leave_out = (ALGORITHMS if subs else ()) + (  # DPO reads neither the rewards nor the rollouts
-            (*REWARD_FIELDS, "rollout") if path == "preference" and step == "dpo" else ())
+        decl = STAGES[step]  # what of its section a stage does not read (DPO: neither the rewards nor the rollouts)
+        unread = (() if decl.rewarded else REWARD_FIELDS) + (() if decl.async_rollouts else ("rollout",))
+        leave_out = (ALGORITHMS if subs else ()) + (unread if path == "preference" else ())
         out[path.rsplit(".", 1)[-1]] = result_fields(section, leave_out=leave_out)
     return {**out, "seed": cfg.run.seed} if STAGES[step].seeded else out
 
@@ -88,9 +88,10 @@ def eval_config(cfg: PipelineConfig, step: str) -> dict:
     """An evaluation step's: the eval fields it reads (the harness settings only where this stage runs the
     harness, pass@k after a preference stage), the seed, and the rewards that score a policy's answers."""
     harness = step.removeprefix("eval-") in cfg.eval.harness_stages and cfg.eval.harness_tasks
+    rewarded = STAGES[step].rewarded  # the rewards score a policy's held-out answers, with pass@k over eval.samples
     fields = {k: v for k, v in result_fields(cfg.eval, leave_out=("harness_stages",) + (
-        ("samples",) if step == "eval-sft" else ())).items() if harness or not k.startswith("harness_")}
-    if step.removeprefix("eval-") in ALGORITHMS:  # the rewards score the policy's held-out answers
+        () if rewarded else ("samples",))).items() if harness or not k.startswith("harness_")}
+    if rewarded:
         return {"eval": fields, "seed": cfg.run.seed, "rewards": reward_fields(cfg)}
     return {"eval": fields, "seed": cfg.run.seed}
 
@@ -117,7 +118,7 @@ def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     drop = set() if cfg.pretrain.enabled else {"pretrain"}
     drop |= set() if cfg.curate.enabled and STAGES[step].data in cfg.curate.sources else {"curate"}
     drop |= set() if cfg.trains_reward_model() else {"reward"}
-    drop |= {"sft"} if step == "reward" and cfg.reward.pretrained and not cfg.reward.policy_samples else set()
+    drop |= {u for u, unread in STAGES[step].unused_inputs.items() if unread(cfg)}
     return tuple(u for u in STAGES[step].inputs if u not in drop)
 
 

@@ -28,6 +28,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
+from gptforge.core.declarations import STAGES
 from gptforge.core.errors import ConfigError, StageFailed, UserError
 
 STAGE_FLOW = "gptforge-stage"
@@ -59,7 +60,7 @@ def pool_of(cfg: PipelineConfig, step: str) -> str | None:
 def slots_needed(cfg: PipelineConfig, step: str) -> int:
     from gptforge.pipeline.nodes import single_process
 
-    if step == "tokenize":
+    if not STAGES[step].gpus:  # tokenize: its own Ray workers on the CPU
         return 0
     return 1 if single_process(cfg, step) else cfg.distributed.world_size
 

@@ -47,7 +47,7 @@ from gptforge.model.rollout.calls import format_of
 from gptforge.model.rollout.episode import Agent
 from gptforge.model.rollout.tools import Setup
 from gptforge.stages.entry import exit_process, main
-from gptforge.stages.registry import EVAL_OUTPUTS
+from gptforge.core.declarations import EVAL_OUTPUTS
 
 
 

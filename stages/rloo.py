@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
+from gptforge.core.declarations import STAGES
 from gptforge.model.train import trl_online
 from gptforge.stages.entry import exit_process, main
 
@@ -23,7 +24,7 @@ RANK_IMPORTS = ("trl.trainer.rloo_trainer",)
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    return trl_online.train(cfg, inputs, out_dir, "rloo", "RLOO")
+    return trl_online.train(cfg, inputs, out_dir, STAGES["rloo"])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ own is not.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 from gptforge.model.eval.generation import id_sampler, stop_ids
@@ -33,13 +32,15 @@ from gptforge.model.rollout.episode import Episode, rollouts, write_trajectories
 from gptforge.model.rollout.tools import Setup
 
 
-def agent_trainer(trainer_cls, agent: Setup, fmt: str, pc, oc, folder: Path):
+def agent_trainer(trainer_cls, trainer: str, agent: Setup, fmt: str, pc, oc, folder: Path):
     """`trainer_cls` rolling out with `agent`'s tools in its own processes (`rollout_trainer`)."""
-    return rollout_trainer(trainer_cls, pc, oc, folder, agent, fmt)
+    return rollout_trainer(trainer_cls, trainer, pc, oc, folder, agent, fmt)
 
 
-def rollout_trainer(trainer_cls, pc, oc, folder: Path, agent: Setup | None = None, fmt: str | None = None):
-    """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer, or a subclass) taking its rollouts from this room: episodes
+def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setup | None = None,
+                    fmt: str | None = None):
+    """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer, or a subclass; `trainer` the stage's declared "GRPO" or
+    "RLOO") taking its rollouts from this room: episodes
     with `agent`'s tools (`fmt` the policy's call format), sampled by the trainer's own policy; or, once `attach`ed
     to a rollout source (gptforge.model.rollout.workers.Workers: async), the source's batches, one or many turns,
     with their prompts drawn by gptforge's own seeded order in place of TRL's. `pc` the preference section
@@ -267,9 +268,7 @@ def rollout_trainer(trainer_cls, pc, oc, folder: Path, agent: Setup | None = Non
             mask = self._generation_extras["env_mask"] if self._loss_mask is None else self._loss_mask
             return logps * pad_to(mask, logps.size(1)).to(logps.device, logps.dtype), entropies, aux
 
-    if "rollout_func" in inspect.signature(trainer_cls.__init__).parameters:
-        return GRPORollouts
-    return RLOORollouts
+    return {"GRPO": GRPORollouts, "RLOO": RLOORollouts}[trainer]
 
 
 def single_turns(sampled, prompts: list, tokenizer) -> list[Episode]:

@@ -13,6 +13,7 @@ import importlib
 from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
+from gptforge.core.declarations import Stage
 from gptforge.data import splits
 from gptforge.data.chat import ChosenRows
 from gptforge.model.eval import rewards
@@ -31,12 +32,12 @@ from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerM
                                              prompts_dataset, resume_point, trainer_kwargs, use_reference, with_ptx)
 
 
-def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: str, trainer: str,
-          **algorithm_args) -> dict:
+def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Stage, **algorithm_args) -> dict:
     """Train the policy (each sequence shared by distributed.sequence_parallel ranks) with TRL's `<trainer>Config`
-    and `<trainer>Trainer` (`trainer`: "GRPO" or "RLOO"): the shared arguments from preference and
+    and `<trainer>Trainer` (the stage's declared trainer: "GRPO" or "RLOO"): the shared arguments from preference and
     preference.<stage>, plus the algorithm's own `algorithm_args`; export it to `out_dir/model` and return the
     stage's metrics."""
+    stage, trainer = decl.name, decl.trainer
     pc, oc, dist = cfg.preference, getattr(cfg.preference, stage), cfg.distributed
     apart = pc.rollout.mode == "async"  # rollout workers: a CPU node leaves each a core
     rank, world, device = setup_distributed(cfg.distributed, reserve=pc.rollout.workers if apart else 0)
@@ -49,7 +50,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, stage: st
     corrected = pc.rollout.correction != "none" or pc.rollout.max_mismatch is not None
     if tools or apart or corrected:  # episodes, rollouts from workers, their log-probabilities (gptforge.model.rollout)
         agent = Setup.load(pc.environment, pc.tools, pc.tool_timeout_s) if tools else None
-        trainer_cls = rollout_trainer(trainer_cls, pc, oc, out_dir / "rollouts", agent, fmt)
+        trainer_cls = rollout_trainer(trainer_cls, trainer, pc, oc, out_dir / "rollouts", agent, fmt)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
     data_parallel = dist.world_size // dist.sequence_parallel
     args = config_cls(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,

@@ -30,11 +30,8 @@ from gptforge.core.config.model_layout import (ATTENTION, DistributedSection, Lo
 from gptforge.core.config.training import (REWARD_BUILT_IN, DPOSection, EvalSection, GRPOSection,  # noqa: F401
                                            OnlineSection, PPOSection, PreferenceSection, PretrainSection,
                                            RewardSection, RewardSpec, RLOOSection, SFTSection, TrainSection)
+from gptforge.core.declarations import TRAINED_SECTIONS, ULYSSES_SPLITS
 from gptforge.core.errors import ConfigError
-
-# The sections whose sequences DeepSpeed-Ulysses splits over distributed.sequence_parallel ranks: their length and
-# the mask it cannot keep.
-ULYSSES_SPLITS = {"pretrain": ("seq_len", "document_mask"), "sft": ("max_length", "packing")}
 
 
 class PipelineConfig(Section):
@@ -60,7 +57,7 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def _combinations(self):
         world, sp = self.distributed.world_size, self.distributed.sequence_parallel
-        for name in ("pretrain", "sft", "reward", "preference"):
+        for name in TRAINED_SECTIONS:
             s, dp = getattr(self, name), world // (sp if name in ULYSSES_SPLITS else 1)
             per_step = s.micro_batch_size * dp
             if s.enabled and s.global_batch_size % per_step:

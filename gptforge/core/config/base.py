@@ -1,5 +1,5 @@
 """The schema's building blocks: a field (`Setting`), a section, the fields a fingerprint hashes, sizes, and the
-algorithm names the preference section takes."""
+algorithm names the preference section takes (the stages gptforge.core.declarations declares with its section)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ALGORITHMS = ("dpo", "ppo", "grpo", "rloo")  # preference.algorithm; each is a stage of gptforge.stages.registry
-ONLINE_ALGORITHMS = ("ppo", "grpo", "rloo")  # rewarded by preference.rewards
-Algorithm = Literal["dpo", "ppo", "grpo", "rloo"]
+from gptforge.core.declarations import ALGORITHMS, ONLINE_ALGORITHMS  # noqa: F401 (preference.algorithm's names)
+
+Algorithm = Literal[ALGORITHMS]  # each a stage declared in gptforge.core.declarations
 
 
 def Setting(default: Any = ..., *, same_result: bool = False, **kw) -> Any:

@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from gptforge.core.config.base import ALGORITHMS, Algorithm, Section, Setting
+from gptforge.core.config.base import Algorithm, Section, Setting
+from gptforge.core.declarations import EVALUATED
 from gptforge.core.config.model_layout import LoraSection
 
 
@@ -274,7 +275,7 @@ class EvalSection(Section):
     harness_tasks: list[str] = Setting([], description="lm-evaluation-harness tasks run on the exported model of "
                                        "each of harness_stages, e.g. [arc_easy]; gptforge_demo: the demo's held-out "
                                        "items.")
-    harness_stages: list[Literal["sft", Algorithm]] = Setting(["sft", *ALGORITHMS], description="The evaluated "
+    harness_stages: list[Literal[EVALUATED]] = Setting(list(EVALUATED), description="The evaluated "
                                                               "stages whose evaluation step runs harness_tasks.")
     harness_include: list[str] = Setting([], description="Folders of the user's own task YAMLs for harness_tasks.")
     harness_limit: int | None = Setting(None, ge=1, description="Examples per harness task (None: all).")

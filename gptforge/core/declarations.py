@@ -1,0 +1,151 @@
+"""Every stage of the pipeline, declared once: what it is, what it reads, what it writes and how its processes start.
+The config's lists of algorithms and sequence-parallel sections, the stage store (fingerprints, manifests), the
+preflight, the launcher, the flow, the report, the planner and the CLI read this table and never a stage's name;
+none of them imports a stage's module, which holds its body and is imported only by the processes that run it (a TRL
+stage's module imports transformers' Trainer, PEFT and TRL: seconds that a pipeline's flow process never spends).
+
+It lives in core, the layer every other imports, so that the config schema can take its algorithm names from it;
+the functions that read a config to answer for a stage (which run in a pipeline, the models it names) are in
+gptforge.stages.registry. Adding a stage is a module `gptforge/stages/<name>.py` with `run(cfg, inputs, out_dir) ->
+metrics`, its `Stage` here, its config section (gptforge.core.config.training) and its docs
+(docs/architecture.md: "A stage"). Each stage evaluated on held-out data has an evaluation step after it
+(`eval-<stage>`, computed by gptforge.stages.evaluate), declared here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptforge.core.files import MODEL_OUTPUTS
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline.
+
+    What it reads and writes:
+    - `inputs`: the steps whose outputs it reads (before gptforge.pipeline.store.upstream drops those a config
+      leaves out); `unused_inputs`: {input: cfg -> whether this config leaves that input unread};
+    - `sections`: the config sections whose fields can change its result (`section` or `section.sub`; a section
+      listed with its sub-sections counts without them); `seeded`: whether run.seed can, too. The store hashes
+      them into its fingerprint (gptforge.pipeline.store.stage_config);
+    - `data`: the `data.<name>` source it reads, if any; `reads`: what it learns from (`pairs`: preference pairs;
+      `prompts`: prompts it samples, from data.prompts where set); `data_sources`: cfg -> the sources it reads
+      where the config chooses them (curate's);
+    - `outputs`: {name: path in its output folder}, hashed into its manifest (a `funnel` is drawn by the report
+      and shown in Prefect's UI).
+
+    What it is:
+    - `section`: the config section of its training settings (every preference algorithm shares `preference`);
+      `length`: that section's sequence length field; `dense_mask`: its field that turns on a whole (s, s)
+      attention mask (the planner counts it); `ulysses_mask`: its field of a mask that DeepSpeed-Ulysses cannot
+      keep (the config refuses both at once);
+    - `rewarded`: preference.rewards score what it samples (an online algorithm), or the answers it evaluates;
+      `async_rollouts`: preference.rollout (engines, workers, async) samples for it; `trainer`: the TRL Trainer
+      that runs it (`DPO`, `GRPO`, `RLOO`; it samples with its own policy unless a rollout engine samples ahead),
+      None for gptforge's own loops;
+    - `loss_units`: what its logged `loss` is, where not the next-token loss (nats/token);
+    - `gpus`: whether it holds the team's GPU slots (run.slots) while it runs.
+
+    How it starts:
+    - `launcher`: `single` (one process, no launcher), `ranks` (every rank under distributed.launcher) or
+      `accelerate` (every rank, with accelerate's environment: a TRL Trainer);
+    - `sequence_parallel`: whether distributed.sequence_parallel ranks share each of its sequences (DeepSpeed-
+      Ulysses), its data parallelism over the rest;
+    - `code_version`: raised when its code computes something else from the same config and inputs, so that
+      stored outputs (and what follows them) are recomputed rather than reused.
+    """
+
+    name: str
+    module: str
+    inputs: tuple[str, ...] = ()
+    sections: tuple[str, ...] = ()
+    seeded: bool = True
+    data: str | None = None
+    outputs: dict[str, str] = field(default_factory=lambda: dict(MODEL_OUTPUTS))
+    launcher: str = "ranks"
+    code_version: int = 1
+    sequence_parallel: bool = False
+    section: str | None = None
+    length: str = "max_length"
+    dense_mask: str | None = None
+    ulysses_mask: str | None = None
+    reads: str | None = None
+    rewarded: bool = False
+    async_rollouts: bool = False
+    trainer: str | None = None
+    loss_units: str | None = None
+    gpus: bool = True
+    unused_inputs: dict[str, Callable[[Any], bool]] = field(default_factory=dict)
+    data_sources: Callable[[Any], tuple[str, ...]] | None = None
+
+    @property
+    def evaluates(self) -> str | None:
+        """The stage an evaluation step evaluates (eval-<stage>), else None."""
+        return self.name.removeprefix("eval-") if self.module == "evaluate" else None
+
+
+def _curated(cfg) -> tuple[str, ...]:
+    """The sources curate reads: those it curates, and everything it decontaminates against."""
+    if not cfg.curate.decontaminate.enabled:
+        return tuple(cfg.curate.sources)
+    return ("pretrain", "sft", "preference") + tuple(d for d in ("prompts", "eval")
+                                                     if getattr(cfg.data, d).path is not None)
+
+
+PAIRWISE = "pairwise loss (nats/pair)"  # the reward model's Bradley-Terry loss and DPO's: one number a pair
+POLICY = "policy loss (per token)"  # GRPO's and RLOO's: a policy objective, not a likelihood
+EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
+
+_TRAINED = [
+    # tokenize 2: streamed in units, shards format 2 (index with counts and max id); 3: its chat template renders
+    # tools (Hermes). Its own Ray workers, no GPU.
+    # curate: only where curate.enabled, and an input only of the stages whose data it curates (curate.sources:
+    # gptforge.pipeline.store.upstream)
+    Stage("curate", "curate", sections=("curate", "eval.harness_tasks", "eval.harness_include"), seeded=False,
+          data="pretrain", data_sources=_curated,
+          outputs={"documents": "documents", "sft": "sft", "preference": "preference", "removed": "removed",
+                   "funnel": "funnel.json", "decontamination": "decontamination.json"}, launcher="single"),
+    Stage("tokenize", "tokenize", ("curate",), ("tokenizer",), seeded=False, data="pretrain",
+          outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=3, gpus=False),
+    Stage("pretrain", "pretrain", ("tokenize",), ("model", "pretrain"), sequence_parallel=True, section="pretrain",
+          length="seq_len", dense_mask="document_mask", ulysses_mask="document_mask"),
+    Stage("sft", "sft", ("curate", "pretrain"), ("sft",), data="sft", sequence_parallel=True, section="sft",
+          ulysses_mask="packing"),
+    # a reward model started from reward.pretrained reads SFT's output only to sample it (reward.policy_samples)
+    Stage("reward", "reward", ("curate", "sft"), ("reward",), data="preference", section="reward", reads="pairs",
+          loss_units=PAIRWISE,
+          unused_inputs={"sft": lambda cfg: bool(cfg.reward.pretrained) and not cfg.reward.policy_samples}),
+    Stage("dpo", "dpo", ("curate", "sft"), ("preference", "preference.dpo"), data="preference",  # no reward model
+          launcher="accelerate", sequence_parallel=True, section="preference", reads="pairs", trainer="DPO",
+          loss_units=PAIRWISE),
+    Stage("ppo", "ppo", ("curate", "sft", "reward"), ("preference", "preference.ppo"), data="preference",
+          section="preference", reads="prompts", rewarded=True, async_rollouts=True),
+    Stage("grpo", "grpo", ("curate", "sft", "reward"), ("preference", "preference.grpo"), data="preference",
+          launcher="accelerate", sequence_parallel=True, section="preference", reads="prompts", rewarded=True,
+          async_rollouts=True, trainer="GRPO", loss_units=POLICY),
+    Stage("rloo", "rloo", ("curate", "sft", "reward"), ("preference", "preference.rloo"), data="preference",
+          launcher="accelerate", sequence_parallel=True, section="preference", reads="prompts", rewarded=True,
+          async_rollouts=True, trainer="RLOO", loss_units=POLICY),
+]
+STAGES: dict[str, Stage] = {s.name: s for s in [
+    *_TRAINED,
+    # evaluation steps: one process unless eval.processes (gptforge.pipeline.nodes.evaluation_on_every_rank); the
+    # store picks the eval fields each one reads (gptforge.pipeline.store.eval_config). A policy's answers are
+    # scored by preference.rewards, with pass@k over eval.samples; SFT's by the demo's exact match.
+    Stage("eval-sft", "evaluate", ("sft", "pretrain"), ("eval",), outputs=EVAL_OUTPUTS, launcher="single"),
+    *[Stage(f"eval-{s.name}", "evaluate", (s.name, "sft", "reward"), ("eval",), outputs=EVAL_OUTPUTS,
+            launcher="single", rewarded=True) for s in _TRAINED if s.section == "preference"],
+]}
+
+# What the config schema takes from the table: preference.algorithm's names, those rewarded by preference.rewards,
+# the sections of training settings, and the sections whose sequences Ulysses splits (their length and the mask it
+# cannot keep).
+ALGORITHMS = tuple(s.name for s in _TRAINED if s.section == "preference")
+ONLINE_ALGORITHMS = tuple(a for a in ALGORITHMS if STAGES[a].rewarded)
+TRAINED_SECTIONS = tuple(dict.fromkeys(s.section for s in _TRAINED if s.section))
+ULYSSES_SPLITS = {s.section: (s.length, s.ulysses_mask) for s in _TRAINED if s.ulysses_mask}
+DENSE_MASKS = {s.section: s.dense_mask for s in _TRAINED if s.dense_mask}
+EVALUATED = tuple(s.evaluates for s in STAGES.values() if s.evaluates)
