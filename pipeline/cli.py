@@ -192,8 +192,9 @@ def cmd_stage(args) -> int:
 
 
 def cmd_status(args) -> int:
-    """Without a run name: every run under the root, newest last, then the newest in full."""
-    root = Path(args.root)
+    """Without a run name: every run under the root, newest last, then the newest in full. The root: --root, else
+    the config's run.root (a team's shared folder), else runs."""
+    root = Path(args.root or (load_config(args.config, args.set).run.root if args.config else "runs"))
     if args.run:
         path = root / args.run / "run.json"
     else:
@@ -214,6 +215,13 @@ def cmd_status(args) -> int:
     for stage, info in record["stages"].items():
         print(f"  {stage:10s} {info.get('status', '?'):9s} {info.get('action', ''):9s} {info.get('output', '')}")
     print(metrics_table({s: i.get("metrics") or {} for s, i in record["stages"].items()}))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from gptforge.core.config.reference import reference
+
+    print(reference(args.section), end="")  # what docs/config.md holds, byte for byte, for the whole schema
     return 0
 
 
@@ -348,9 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
     pl.set_defaults(func=cmd_plan)
 
+    cf = sub.add_parser("config", help="every config field with its type, default and help (Markdown)")
+    cf.add_argument("section", nargs="?", help="a section, e.g. preference or preference.ppo (default: all)")
+    cf.set_defaults(func=cmd_config)
     st = sub.add_parser("status", help="what each stage of a run did, with its metrics")
     st.add_argument("run", nargs="?", help="run name (default: the latest)")
-    st.add_argument("--root", default="runs", help="run.root")
+    st.add_argument("-c", "--config", default=None, help="a pipeline YAML whose run.root holds the runs")
+    st.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    st.add_argument("--root", default=None, help="the runs' root (default: the config's run.root, else runs)")
     st.set_defaults(func=cmd_status)
     return p
 

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,26 @@ def test_a_reward_server_that_does_not_answer_is_a_warning_and_a_user_function_i
     assert len(lines) == 1 and lines[0].startswith(f"warning: preference.rewards[1]: the reward server {url} does "
                                                    "not answer (") and "try it 3 time(s)" in lines[0], lines
     assert not (tmp_path / "r" / "store" / "tokenize").exists()
+
+
+def test_status_reads_the_runs_under_the_configs_run_root(tmp_path, capsys, monkeypatch):
+    """`gptforge status -c CONFIG` lists the runs under the config's run.root (a team's shared folder), newest last,
+    then the newest in full; --root overrides it; the default `runs` of the working folder holds none here."""
+    import json
+
+    from gptforge.pipeline.cli import main
+
+    root = tmp_path / "shared" / "runs"
+    for name, status in (("nightly-1", "complete"), ("nightly-2", "failed")):
+        (root / name).mkdir(parents=True)
+        (root / name / "run.json").write_text(json.dumps({"name": name, "created_at": "2026-12-06", "stages": {
+            "tokenize": {"status": "complete", "action": "reused", "output": "/o/t", "metrics": {"tokens": 7}},
+            "pretrain": {"status": status, "action": "computed", "output": "/o/p", "metrics": {}}}}))
+        time.sleep(0.01)  # (newest last: by modification time)
+    monkeypatch.chdir(tmp_path)
+    assert main(["status", "--set", f"run.root={root}", "-c", str(TINY)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("nightly-1") < out.index("nightly-2") and "1 complete, 1 failed" in out
+    assert f"run nightly-2 ({root / 'nightly-2' / 'run.json'})" in out
+    assert main(["status", "nightly-1", "--root", str(root)]) == 0 and "run nightly-1" in capsys.readouterr().out
+    assert main(["status"]) == 1 and "error: no runs under runs/" in capsys.readouterr().err
