@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gptforge.core.config import dump_config, load_config
 from gptforge.core.errors import StageFailed
-from gptforge.pipeline.launch import run_stage
+from gptforge.pipeline.launch.stage import run_stage
 from gptforge.pipeline.store import RunRecord, pipeline_steps
 
 ROOT = Path(__file__).resolve().parents[1]

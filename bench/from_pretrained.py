@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from gptforge.core.config import load_config  # noqa: E402
 from gptforge.core.errors import StageFailed  # noqa: E402
-from gptforge.pipeline.launch import run_stage  # noqa: E402
+from gptforge.pipeline.launch.stage import run_stage  # noqa: E402
 from gptforge.pipeline.store import RunRecord, locate  # noqa: E402
 
 HEADERS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

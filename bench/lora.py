@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from gptforge.core.config import load_config  # noqa: E402
 from gptforge.core.errors import StageFailed  # noqa: E402
 from gptforge.core.files import MODEL_OUTPUTS  # noqa: E402
-from gptforge.pipeline.launch import run_stage  # noqa: E402
+from gptforge.pipeline.launch.stage import run_stage  # noqa: E402
 from gptforge.pipeline.store import RunRecord, locate  # noqa: E402
 
 BATCH = ["sft.micro_batch_size=8", "sft.global_batch_size=8", "sft.max_length=128", "sft.warmup_steps=2",

@@ -33,7 +33,7 @@ from gptforge.model.train.engine import lr_schedule
 from gptforge.model.train.losses import causal_lm_loss
 from gptforge.model.train.metrics import WARMUP_STEPS
 from gptforge.core.errors import StageFailed
-from gptforge.pipeline.launch import run_stage
+from gptforge.pipeline.launch.stage import run_stage
 from gptforge.pipeline.store import RunRecord, locate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,12 +5,12 @@ spans each: from launch to the first step, and from the last step to exit.
 
     .venv/bin/python bench/startup.py [-c configs/tiny.yaml] [--repeats 3] [--set k=v ...]
 
-The stage is `pretrain`, started as `gptforge run` starts it (gptforge.pipeline.launch.run_stage, under the
+The stage is `pretrain`, started as `gptforge run` starts it (gptforge.pipeline.launch.stage.run_stage, under the
 configured launcher), on the tokenize output this script makes first (not timed). A step's end is the moment its
 log line reaches this process; the stage logs every step here. Each span's median over the rounds is compared.
 
 On a CPU host each round starts the stage twice: as a pipeline's later stage does, its agent forked from the fork
-server that this process started for its first stage (gptforge.pipeline.fork_server), and as a process that
+server that this process started for its first stage (gptforge.pipeline.launch.fork_server), and as a process that
 imports everything itself (GPTFORGE_FORK_SERVER=0). The CPU the whole machine spent on each (/proc/stat, so run it
 on a quiet machine) is compared too; the first stage of the process, which starts the server, is printed apart.
 """
@@ -62,7 +62,7 @@ FLOOR = textwrap.dedent("""
 
 def floor(cfg, out: Path) -> tuple[float, float]:
     """(launch to step, step to exit) of the plain script, in seconds."""
-    from gptforge.pipeline.agent import rank_env
+    from gptforge.pipeline.launch.agent import rank_env
 
     arch, pc = cfg.model.arch(), cfg.pretrain
     with socket.socket() as sock:
@@ -93,7 +93,7 @@ def busy() -> float:
 def stage(cfg, path: Path, forked: bool = True) -> tuple[float, float, float]:
     """(launch to first step, last step to exit, the machine's CPU seconds) of the pretrain stage, in seconds;
     `forked`: its agent forked from the fork server (on a CPU host), else started as a process of its own."""
-    from gptforge.pipeline.launch import run_stage
+    from gptforge.pipeline.launch.stage import run_stage
     from gptforge.pipeline.store import RunRecord
 
     steps: list[float] = []

@@ -31,7 +31,7 @@ from demo_seeds import mean_se  # noqa: E402
 
 from gptforge.core.config import dump_config, load_config  # noqa: E402
 from gptforge.core.errors import StageFailed  # noqa: E402
-from gptforge.pipeline.launch import run_stage  # noqa: E402
+from gptforge.pipeline.launch.stage import run_stage  # noqa: E402
 from gptforge.pipeline.store import RunRecord  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ def ephemeral_server():
     use, so that a watchdog can stop it if this process is killed: a SIGKILLed run leaves no server behind."""
     from prefect.server.api.server import SubprocessASGIServer
 
-    from gptforge.pipeline.launch import watchdog
+    from gptforge.pipeline.launch.stage import watchdog
 
     server = SubprocessASGIServer()  # the instance Prefect's clients find
     server.start()
@@ -88,7 +88,7 @@ def serve(cfg, name: str) -> None:
     from prefect import serve as serve_all
 
     from gptforge.pipeline.flow import pipeline_flow
-    from gptforge.pipeline.watch import data_changed_trigger, watch_flow
+    from gptforge.pipeline.team.watch import data_changed_trigger, watch_flow
 
     params = {"config": cfg.model_dump(mode="json")}
     serve_all(pipeline_flow.to_deployment(
@@ -108,7 +108,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_deploy(args) -> int:
-    from gptforge.pipeline.deploy import deploy
+    from gptforge.pipeline.team.deploy import deploy
 
     cfg = load_config(args.config, args.set)
     prefect_env.apply()
@@ -118,7 +118,7 @@ def cmd_deploy(args) -> int:
 
 def cmd_watch(args) -> int:
     """One check of the pipeline's sources, now (what the deployed watch flow does on its schedule)."""
-    from gptforge.pipeline.watch import watch_flow
+    from gptforge.pipeline.team.watch import watch_flow
 
     cfg = load_config(args.config, args.set)
     prefect_env.apply()
@@ -168,7 +168,7 @@ def cmd_up(args) -> int:
 
 def cmd_stage(args) -> int:
     """One stage in this process (one rank of it under a launcher: rank 0 records it)."""
-    from gptforge.pipeline.nodes import single_process
+    from gptforge.pipeline.launch.nodes import single_process
     from gptforge.pipeline.store import RunRecord, execute, now
 
     cfg = load_config(args.config, args.set)

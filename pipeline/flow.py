@@ -1,5 +1,5 @@
 """The Prefect flows: the pipeline, one task per step, each started once its inputs are complete; and the stage
-flow (`gptforge-stage`) that runs one step on a work pool's worker (gptforge.pipeline.team).
+flow (`gptforge-stage`) that runs one step on a work pool's worker (gptforge.pipeline.team.pools).
 
 The flow's parameter is the typed pipeline config, so the Prefect UI renders it as a form and a typo
 in a form or a scheduled run's parameters fails the run before any stage starts. Reuse is decided
@@ -26,13 +26,13 @@ from gptforge.core.config import PipelineConfig, dump_config, load_config
 from gptforge.core.declarations import STAGES
 from gptforge.core.errors import UserError
 from gptforge.core.files import write_text_atomic
-from gptforge.pipeline.approval import approve
-from gptforge.pipeline.launch import kill_running, run_stage
+from gptforge.pipeline.team.approval import approve
+from gptforge.pipeline.launch.stage import kill_running, run_stage
 from gptforge.model.train.tracking import pipeline_run
 from gptforge.pipeline.preflight import preflight
 from gptforge.pipeline.report import FUNNEL, artifact_markdown, draw_funnel, funnel_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps, read_manifest, upstream
-from gptforge.pipeline.team import STAGE_FLOW, Rejected, cancel_children, pool_of, run_on_pool
+from gptforge.pipeline.team.pools import STAGE_FLOW, Rejected, cancel_children, pool_of, run_on_pool
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

@@ -35,9 +35,9 @@ from gptforge.data.sources import kind_of
 from gptforge.model.eval.harness import check_tasks
 from gptforge.model.eval.rewards import REWARD_MODEL, user_function
 from gptforge.model.pretrained import check_models
-from gptforge.pipeline.nodes import deepspeed_runner, launcher_of, read_hostfile, single_process
+from gptforge.pipeline.launch.nodes import deepspeed_runner, launcher_of, read_hostfile, single_process
 from gptforge.pipeline.store import fingerprints, pipeline_steps
-from gptforge.pipeline.team import check_team, pool_of
+from gptforge.pipeline.team.pools import check_team, pool_of
 from gptforge.core.declarations import STAGES
 from gptforge.stages.registry import data_parallel
 
@@ -91,7 +91,7 @@ def check_layout(cfg: PipelineConfig, steps: list[str]) -> None:
 def check_devices(cfg: PipelineConfig, steps: list[str], here: bool = False) -> None:
     """What a stage needs of the host it starts on: a GPU where its base loads through bitsandbytes, pdsh where
     DeepSpeed's runner starts it on the hosts of its hostfile. On this host, unless a work pool takes it; `here`:
-    the stage starts on this host whatever the pools (gptforge.pipeline.launch asks so, on the worker that runs
+    the stage starts on this host whatever the pools (gptforge.pipeline.launch.stage asks so, on the worker that runs
     it)."""
     for step in steps:
         if pool_of(cfg, step) and not here:
@@ -122,7 +122,7 @@ def check_curate(cfg: PipelineConfig) -> None:
     sources it can curate."""
     cc = cfg.curate
     for name, args in cc.filters.items():
-        from gptforge.data.curation import quality_filter  # datatrove: only where a run curates
+        from gptforge.data.curation.blocks import quality_filter  # datatrove: only where a run curates
 
         quality_filter(name, args, None)
     if cc.languages and cc.language_model != "lingua":

@@ -243,7 +243,7 @@ def complete(cfg: PipelineConfig, step: str, out_dir: Path, fingerprint: str, in
 
 def reuse(step: str, out_dir: Path, log=print) -> dict | None:
     """The manifest of a step's complete output, said to `log` as reused; None where there is none to reuse. The
-    one way a finished output is taken instead of computed: in a pipeline (gptforge.pipeline.launch) and in one
+    one way a finished output is taken instead of computed: in a pipeline (gptforge.pipeline.launch.stage) and in one
     process (`execute`)."""
     manifest = read_manifest(out_dir)
     if manifest is not None:

@@ -5,14 +5,14 @@ blocks run by datatrove's Ray executor, on a local Ray instance on 127.0.0.1 or 
     python -m gptforge.stages.curate --config CONFIG --out DIR
 
 Its passes, each a datatrove pipeline over `curate.tasks` tasks (a task a share of the source's units):
-1. filter: read the source as tokenize reads it (gptforge.data.curation.UnitReader), then the language filter
+1. filter: read the source as tokenize reads it (gptforge.data.curation.blocks.UnitReader), then the language filter
    (`curate.languages`), the quality filters (`curate.filters`: Gopher quality and repetition, C4, FineWeb),
    email and IP addresses replaced (`curate.pii`), documents holding an evaluation item removed (n-grams against
-   gptforge.data.decontamination's index); each task's survivors written, and their exact-dedup signatures;
+   gptforge.data.curation.decontamination's index); each task's survivors written, and their exact-dedup signatures;
 2. exact duplicates found (one task), then removed as each task's survivors are read back, and MinHash
    signatures of the rest written (`curate.near_dedup`);
-3. MinHash candidate pairs, a task a band; verified against the threshold (gptforge.data.curation.VerifiedPairs);
-   clustered (one task);
+3. MinHash candidate pairs, a task a band; verified against the threshold
+   (gptforge.data.curation.blocks.VerifiedPairs); clustered (one task);
 4. each task's documents read back, near duplicates removed, written as `documents/<task>.jsonl.gz`.
 Signatures, buckets and documents stay on disk between passes (memory flat in the corpus size), and datatrove
 keeps each task's completion, so a killed stage resumes with its finished tasks kept.
@@ -35,10 +35,10 @@ from gptforge.core.errors import UserError
 from gptforge.core.files import write_json_atomic
 from gptforge.data import splits
 from gptforge.data.corpus import Reading
-from gptforge.data.curation import (SHARD, WORK_SHARD, Decontaminate, FullSignatures, LinguaFilter, LocalFastTextLID,
-                                    RankShardReader, RowsReader, Tally, UnitReader, VerifiedPairs, quality_filter,
-                                    text_of)
-from gptforge.data.decontamination import build_index, evaluation_items
+from gptforge.data.curation.blocks import (SHARD, WORK_SHARD, Decontaminate, FullSignatures, LinguaFilter,
+                                           LocalFastTextLID, RankShardReader, RowsReader, Tally, UnitReader,
+                                           VerifiedPairs, quality_filter, text_of)
+from gptforge.data.curation.decontamination import build_index, evaluation_items
 from gptforge.data.parallel import ray_instance
 from gptforge.data.sources import units
 from gptforge.model.eval.harness import task_documents

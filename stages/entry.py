@@ -84,8 +84,8 @@ RANK_IMPORTS = ("peft", "torch.utils.tensorboard")
 def preload(module, argv: list[str]) -> None:
     """Import what each rank of the stage `module` (started with `argv`) will import as it runs: RANK_IMPORTS, the
     transformers modules of the config's models, and the module's own RANK_IMPORTS (a TRL trainer's modules, which
-    its stage imports once its ranks have joined their group). The warm agent (gptforge.pipeline.agent) calls this
-    before it forks the ranks, which then find these imported rather than importing them each on its own."""
+    its stage imports once its ranks have joined their group). The warm agent (gptforge.pipeline.launch.agent) calls
+    this before it forks the ranks, which then find these imported rather than importing them each on its own."""
     from gptforge.model.pretrained import modeling_modules
     from gptforge.model.train.distributed import no_integrations
 

@@ -13,8 +13,8 @@ import pytest
 
 from gptforge.core.config import dump_config, load_config
 from gptforge.core.errors import StageFailed
-from gptforge.pipeline.launch import run_stage as run_step
-from gptforge.pipeline.nodes import node_commands, node_env, rendezvous
+from gptforge.pipeline.launch.stage import run_stage as run_step
+from gptforge.pipeline.launch.nodes import node_commands, node_env, rendezvous
 from gptforge.pipeline.store import RunRecord, execute, locate, read_manifest
 from tests.conftest import ROOT, SMALL, TINY
 

@@ -132,7 +132,7 @@ _TRAINED = [
 ]
 STAGES: dict[str, Stage] = {s.name: s for s in [
     *_TRAINED,
-    # evaluation steps: one process unless eval.processes (gptforge.pipeline.nodes.evaluation_on_every_rank); the
+    # evaluation steps: one process unless eval.processes (gptforge.pipeline.launch.nodes.evaluation_on_every_rank); the
     # store picks the eval fields each one reads (gptforge.pipeline.store.eval_config). A policy's answers are
     # scored by preference.rewards, with pass@k over eval.samples; SFT's by the demo's exact match.
     Stage("eval-sft", "evaluate", ("sft", "pretrain"), ("eval",), outputs=EVAL_OUTPUTS, launcher="single"),

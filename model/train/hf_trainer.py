@@ -3,7 +3,7 @@
 the newest Trainer checkpoint, the rewards of the online ones, their ptx term, and the position-id hook.
 
 TRL trainers run under `accelerate launch` with DeepSpeed (under the plain `deepspeed` launcher on a CPU each
-rank believes it is alone), so gptforge.pipeline.launch starts these stages with accelerate.
+rank believes it is alone), so gptforge.pipeline.launch.stage starts these stages with accelerate.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from gptforge.pipeline.agent import rank_env
+from gptforge.pipeline.launch.agent import rank_env
 from tests.helpers import config
 
 RANK = textwrap.dedent("""
@@ -52,8 +52,8 @@ WARM = {"forked": {"DS_ACCELERATOR": "cpu"}, "started": {"DS_ACCELERATOR": "cpu"
 
 def start(tmp_path, failing: int, how: str) -> subprocess.Popen:
     (tmp_path / "fake_rank.py").write_text(RANK)
-    return subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.agent", "--nproc-per-node", "2", "--master",
-                             "127.0.0.1:1", "-m", "fake_rank", str(tmp_path), str(failing)],
+    return subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.launch.agent", "--nproc-per-node", "2",
+                             "--master", "127.0.0.1:1", "-m", "fake_rank", str(tmp_path), str(failing)],
                             env={**os.environ, "PYTHONPATH": str(tmp_path), **WARM[how]}, start_new_session=True)
 
 
@@ -94,7 +94,7 @@ def test_a_cancelled_agent_ends_every_rank(tmp_path, how):
 
 WARMED = textwrap.dedent("""
     import sys
-    from gptforge.pipeline.agent import warm
+    from gptforge.pipeline.launch.agent import warm
     assert warm(sys.argv[1], ["--config", sys.argv[2], "--out", sys.argv[3]], nproc=2)
     print(*sys.modules)
 """)

@@ -1,5 +1,5 @@
-"""The fork server (gptforge.pipeline.fork_server): a CPU host's stage agents forked from one import, each seen by
-the launcher as the process Popen would have started."""
+"""The fork server (gptforge.pipeline.launch.fork_server): a CPU host's stage agents forked from one import, each
+seen by the launcher as the process Popen would have started."""
 
 import os
 import signal
@@ -7,8 +7,8 @@ import sys
 import textwrap
 import time
 
-from gptforge.pipeline import fork_server
-from gptforge.pipeline.launch import run_streaming
+from gptforge.pipeline.launch import fork_server
+from gptforge.pipeline.launch.stage import run_streaming
 
 # A stage's module: it notes the pid of the process that imported it; each rank prints what it sees and runs as
 # its argument says.
@@ -30,7 +30,7 @@ STAGE = textwrap.dedent("""
 
 
 def agent(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gptforge.pipeline.agent", "--nproc-per-node=2", "--master=127.0.0.1:1", "-m",
+    return [sys.executable, "-m", "gptforge.pipeline.launch.agent", "--nproc-per-node=2", "--master=127.0.0.1:1", "-m",
             "forked_stage", *args]
 
 
@@ -68,7 +68,7 @@ def test_stage_agents_fork_from_one_import_and_get_what_popen_gives(tmp_path):
         assert set(ranks) == {0, 1} and len({r["agent"] for r in ranks.values()}) == 1
         (agent_pid,) = {int(r["agent"]) for r in ranks.values()}
         assert server != agent_pid and {int(r["group"]) for r in ranks.values()} == {agent_pid}  # its own group
-        assert all(r["cmdline"].endswith("-m gptforge.pipeline.agent --nproc-per-node=2 --master=127.0.0.1:1 -m "
+        assert all(r["cmdline"].endswith("-m gptforge.pipeline.launch.agent --nproc-per-node=2 --master=127.0.0.1:1 -m "
                                          f"forked_stage{' fail' if ranks is failed else ''}") for r in ranks.values())
     # another environment, another server: what it imported read that environment
     assert {r["foo"] for r in other_env.values()} == {"x"} and server not in {int(r["imported_in"])

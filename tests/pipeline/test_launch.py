@@ -8,7 +8,7 @@ import pytest
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import ConfigError
-from gptforge.pipeline.nodes import SSH_OPTIONS, node_commands, node_env
+from gptforge.pipeline.launch.nodes import SSH_OPTIONS, node_commands, node_env
 from tests.conftest import TINY
 
 BATCHES = [f"{s}.global_batch_size=256" for s in ("pretrain", "sft", "reward", "preference")]
@@ -29,13 +29,14 @@ def test_tokenize_and_evaluation_run_as_one_process():
 
 def test_gptforges_agent_starts_each_nodes_ranks_and_meets_at_the_hosted_store():
     (c,) = cmds("distributed.nproc_per_node=4")  # the default launcher
-    assert c[1:3] == ["-m", "gptforge.pipeline.agent"] and "--nproc-per-node=4" in c and "--master=127.0.0.1:4242" in c
+    assert c[1:3] == ["-m", "gptforge.pipeline.launch.agent"] and "--nproc-per-node=4" in c
+    assert "--master=127.0.0.1:4242" in c
     assert c[-8:] == ["-m", "gptforge.stages.pretrain", *ARGS]
     nodes = cmds("distributed.nnodes=2", "distributed.nproc_per_node=8")
     assert [[a for a in n if a.startswith(("--node-rank", "--nnodes"))] for n in nodes] == [
         ["--nnodes=2", "--node-rank=0"], ["--nnodes=2", "--node-rank=1"]]
     (dpo,) = cmds(stage="dpo", inputs={"sft": Path("s")})  # a TRL stage: accelerate's environment, no accelerate
-    assert dpo[1:3] == ["-m", "gptforge.pipeline.agent"]
+    assert dpo[1:3] == ["-m", "gptforge.pipeline.launch.agent"]
     env = node_env(load_config(TINY, [*BATCHES, "distributed.zero_stage=3"]), "dpo")
     assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
 
@@ -72,7 +73,7 @@ def test_ssh_and_slurm_start_an_agent_on_every_node(tmp_path):
     # under the node's side of the launch: the node's address (the hostfile's where it is one), the environment
     # down the channel (never DS_ACCELERATOR=cpu, nor a token, on a command line)
     remote = shlex.split(ssh[1][-1].split(" && ", 1)[1])
-    assert remote[:7] == [sys.executable, "-m", "gptforge.pipeline.on_node", "--node=1", "--master=10.0.0.1",
+    assert remote[:7] == [sys.executable, "-m", "gptforge.pipeline.launch.on_node", "--node=1", "--master=10.0.0.1",
                           "--addrs=,10.0.0.2", "--ssh"]
     assert "--node_rank=1" in remote and "--rdzv_endpoint=10.0.0.1:4242" in remote
     assert "DS_ACCELERATOR" not in ssh[1][-1]
@@ -164,7 +165,7 @@ def test_sigterm_kills_the_whole_stage_group(tmp_path):
     parent = tmp_path / "parent.py"
     parent.write_text(textwrap.dedent(f"""
         import sys
-        from gptforge.pipeline.launch import run_streaming
+        from gptforge.pipeline.launch.stage import run_streaming
         run_streaming([[sys.executable, "-c", {child!r}, {marker!r}]], lambda line: print(line, flush=True))
     """))
     log = tmp_path / "log"
@@ -222,7 +223,7 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tokenized, tmp_pa
     tree = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(" ".join(p.cmdline()) for p in tree if alive(p))
     assert "gptforge.stages.pretrain" in names and "uvicorn" in names  # the ranks and the ephemeral server
-    assert "gptforge.pipeline.fork_server" in names  # which forked the stage's agent
+    assert "gptforge.pipeline.launch.fork_server" in names  # which forked the stage's agent
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 60
@@ -235,7 +236,7 @@ def test_a_sigkilled_run_leaves_no_stage_process_and_no_server(tokenized, tmp_pa
 def test_a_line_printed_after_a_progress_bar_redraw_is_logged_whatever_the_bar_rate():
     """tqdm redraws end without a newline: a warning printed right after one (rank 0's, between two redraws) shares
     the bar's line. Redraws are logged at most every `progress_every` seconds; the warning always is, on its own."""
-    from gptforge.pipeline.launch import run_streaming
+    from gptforge.pipeline.launch.stage import run_streaming
 
     script = ("import sys\n"
               "for i in range(3):\n"

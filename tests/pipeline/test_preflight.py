@@ -47,7 +47,7 @@ def test_a_qlora_config_validates_on_a_cpu_head_node_and_fails_only_where_it_wou
     sent = load_config(TINY, [*qlora, "run.work_pools={sft: gpu}", "run.default_work_pool=cpu"])
     check_devices(sent, pipeline_steps(sent))  # the GPU pool's worker checks it, where the stage starts
     with pytest.raises(ConfigError, match=r"^sft.lora.quantize=4"):
-        check_devices(sent, ["sft"], here=True)  # as gptforge.pipeline.launch asks on the worker that runs it
+        check_devices(sent, ["sft"], here=True)  # as gptforge.pipeline.launch.stage asks on the worker that runs it
 
 
 class SamplesOnly:

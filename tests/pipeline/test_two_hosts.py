@@ -29,7 +29,7 @@ import json, sys
 from pathlib import Path
 from gptforge.core.config import load_config
 from gptforge.core.errors import StageFailed
-from gptforge.pipeline.launch import run_stage
+from gptforge.pipeline.launch.stage import run_stage
 from gptforge.pipeline.store import RunRecord
 cfg = load_config(Path(sys.argv[1]))
 try:

@@ -272,7 +272,7 @@ def test_sft_and_preference_rows_are_curated_with_their_held_out_rows_kept_and_s
 def test_lingua_keeps_the_languages_asked_for():
     from datatrove.data import Document
 
-    from gptforge.data.curation import LinguaFilter
+    from gptforge.data.curation.blocks import LinguaFilter
 
     keep = LinguaFilter(["en"], 0.5)
     assert keep.filter(Document(text="The weather is lovely today and we are going to the park.", id="1")) is True
@@ -286,7 +286,7 @@ def test_minhash_words_are_spacys_own_tokens():
     from datatrove.utils.text import simplify_text
     from datatrove.utils.word_tokenizers import load_word_tokenizer
 
-    from gptforge.data.curation import SpanMemo
+    from gptforge.data.curation.blocks import SpanMemo
 
     spacy, memo, rng = load_word_tokenizer("en"), SpanMemo(load_word_tokenizer("en")), random.Random(0)
     odd = ["can't", "cannot", "dont", "U.S.", "e.g.", "10km", "5pm", "3rd", "http://a.b/c?d=1", "o'clock", "gonna",

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from gptforge.model.train.checkpoints import newest_valid_checkpoint
 from gptforge.core.errors import StageFailed
-from gptforge.pipeline.launch import run_stage as run_step
+from gptforge.pipeline.launch.stage import run_stage as run_step
 from gptforge.pipeline.store import RunRecord, locate, read_manifest
 from tests.helpers import config, copy_store, logged, prepared, run_stage
 

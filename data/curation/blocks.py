@@ -19,8 +19,8 @@ filters, PII formatter, exact and MinHash deduplication, n-gram decontamination 
 - `LinguaFilter`: language identification offline. datatrove's LanguageFilter downloads a fastText model; lingua
   ships its models in its wheel. `LocalFastTextLID` gives datatrove's own filter a local fastText model instead.
 - `Decontaminate`: datatrove's NGramsDecontFilter for each n-gram length of the index that
-  gptforge.data.decontamination builds (datatrove's indexer reads lighteval's task registry, which downloads); an
-  item shorter than n is matched whole, as its own length.
+  gptforge.data.curation.decontamination builds (datatrove's indexer reads lighteval's task registry, which
+  downloads); an item shorter than n is matched whole, as its own length.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from datatrove.utils.lid import FastTextLID
 
 from gptforge.core.errors import DataError, UserError
 from gptforge.data.corpus import Reading, documents
-from gptforge.data.decontamination import item_text
+from gptforge.data.curation.decontamination import item_text
 from gptforge.data.sources import Unit
 
 SHARD = "{rank:05d}.jsonl.gz"  # a task's documents in the stage's output

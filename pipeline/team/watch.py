@@ -23,7 +23,7 @@ from gptforge.pipeline.store import data_of, digest_cache, pipeline_steps
 from gptforge.stages.registry import named_models
 
 EVENT = "gptforge.data.changed"
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 def resource_id(cfg: PipelineConfig) -> str:

@@ -1,7 +1,7 @@
 """gptforge's own node agent (`distributed.launcher: gptforge`, the default): starts this node's ranks of a stage
 with the environment a launcher gives them, and waits for them.
 
-    python -m gptforge.pipeline.agent --nproc-per-node 2 --nnodes 1 --node-rank 0 --master 127.0.0.1:29500 \\
+    python -m gptforge.pipeline.launch.agent --nproc-per-node 2 --nnodes 1 --node-rank 0 --master 127.0.0.1:29500 \\
         -m gptforge.stages.pretrain --config CONFIG --out DIR --input tokenize=DIR
 
 Why a launcher of our own: a stage's ranks should start at once. The deepspeed launcher imports DeepSpeed in its
@@ -27,8 +27,9 @@ times the start). On a GPU node each
 rank starts as a process of its own: a process forked from one that has touched the CUDA driver (DeepSpeed asks
 for the devices as it is imported) cannot use it. GPTFORGE_WARM_RANKS=0 turns it off; a module that does not
 import here starts its ranks as processes too, which then report the error themselves. A forked rank dies with
-its agent. On a CPU host the pipeline forks the agent itself from its fork server (gptforge.pipeline.fork_server),
-which has imported the stage already: then the agent's own import costs nothing.
+its agent. On a CPU host the pipeline forks the agent itself from its fork server
+(gptforge.pipeline.launch.fork_server), which has imported the stage already: then the agent's own import costs
+nothing.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def warm(module: str, args: list[str], nproc: int) -> bool:
 def preimport(module: str, args: list[str]) -> bool:
     """Import the stage `module`, DeepSpeed where its ranks join a process group, and what its processes (started
     with `args`) import as they run (gptforge.stages.entry.preload): whether the module imported. Here for the warm
-    agent, and in the fork server (gptforge.pipeline.fork_server) for the agents it forks."""
+    agent, and in the fork server (gptforge.pipeline.launch.fork_server) for the agents it forks."""
     try:
         stage = importlib.import_module(module)
         if "gptforge.model.train.distributed" in sys.modules:  # its ranks join a process group: DeepSpeed's import too
@@ -240,8 +241,9 @@ def run(cmd: list[str], nproc: int, nnodes: int, node_rank: int, master_addr: st
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m gptforge.pipeline.agent", usage="%(prog)s [options] -m MODULE "
-                                     "[ARG ...]", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gptforge.pipeline.launch.agent",
+                                     usage="%(prog)s [options] -m MODULE [ARG ...]",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks on this node")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes of the stage")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (node 0 holds rank 0)")

@@ -1,7 +1,7 @@
 """What a node launcher (ssh, srun) runs on each node: the node's agent, given what only the node can know, and
 ended with the run that started it.
 
-    python -m gptforge.pipeline.on_node --node N --master ADDR [--addrs A0,A1,...] [--ssh] -- AGENT...
+    python -m gptforge.pipeline.launch.on_node --node N --master ADDR [--addrs A0,A1,...] [--ssh] -- AGENT...
 
 - **Its address:** `--addrs`' entry N (`distributed.node_addrs`, or the hostfile's entry where it is an address),
   else the address this host reaches the master from (its route there), never what its hostname resolves to: many
@@ -10,8 +10,8 @@ ended with the run that started it.
   has its workers meet, its own FQDN otherwise) and `GLOO_SOCKET_IFNAME`, the interface that holds the address,
   unless set (gloo binds what the hostname resolves to otherwise). `__NODE_IS_HOST__` in the command becomes
   `is_host=true` on node 0 and `is_host=false` elsewhere (the accelerate launcher's rendezvous, which node 0 hosts).
-- **The environment** the run gives every node (pipeline/nodes.py: node_env) comes over ssh as stdin's first line,
-  a JSON object, so that no token is on a command line.
+- **The environment** the run gives every node (pipeline/launch/nodes.py: node_env) comes over ssh as stdin's first
+  line, a JSON object, so that no token is on a command line.
 - **Ended with the run** (over ssh; srun ends its tasks itself): it reads its stdin, the ssh channel, to the
   end. Once the starting side is gone (the stage failed on another node, was cancelled, or the network between
   them went down), the agent and every process under it get SIGTERM, then SIGKILL after a grace period. It is their
@@ -115,7 +115,7 @@ def end_all(agent: subprocess.Popen, grace: float = GRACE_S) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gptforge.pipeline.on_node")
+    p = argparse.ArgumentParser(prog="gptforge.pipeline.launch.on_node")
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--master", required=True)
     p.add_argument("--addrs", default="")

@@ -1,5 +1,5 @@
 """What the pipeline evaluates on, as an n-gram index that the curate stage removes documents by
-(gptforge.data.curation.Decontaminate).
+(gptforge.data.curation.blocks.Decontaminate).
 
 The items: the held-out rows of data.sft, data.preference and data.prompts, data.eval, the demo's held-out items
 where a source is the demo, the files of `curate.decontaminate.extra`, and (given by the stage, which reads them

@@ -120,7 +120,7 @@ def agent_command(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
     port = port or d.master_port
     launcher = launcher_of(cfg, stage)
     if launcher == "gptforge":
-        cmd = [sys.executable, "-m", "gptforge.pipeline.agent", f"--nproc-per-node={d.nproc_per_node}",
+        cmd = [sys.executable, "-m", "gptforge.pipeline.launch.agent", f"--nproc-per-node={d.nproc_per_node}",
                f"--nnodes={d.nnodes}", f"--node-rank={node}", f"--master={d.master_addr}:{port}"]
     elif launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}",
@@ -153,7 +153,7 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
                   port: int | None, env: dict[str, str]) -> list[list[str]]:
     """The commands this process starts for a stage: one agent per node (local, ssh), one srun for all (slurm),
     one launcher that reaches the nodes itself (a single node, or the deepspeed runner with a hostfile). On ssh and
-    slurm nodes the agent runs under pipeline/on_node.py; over ssh, `env` is written down the channel as the
+    slurm nodes the agent runs under pipeline/launch/on_node.py; over ssh, `env` is written down the channel as the
     first line (run_streaming), not put on a command line."""
     d = cfg.distributed
     if single_process(cfg, stage) or d.nnodes == 1 or launcher_of(cfg, stage) == "deepspeed" and deepspeed_runner(cfg):
@@ -166,9 +166,10 @@ def node_commands(cfg: PipelineConfig, stage: str, config_path: Path, out_dir: P
     addrs = node_addresses(cfg, hosts)
     addrs_arg = ",".join(a or "" for a in addrs) if any(addrs) else ""  # (empty entries: those nodes find their own)
 
-    def on_node(node: int | str) -> str:  # the agent, under the node's side of the launch (pipeline/on_node.py)
-        wrapper = [sys.executable, "-m", "gptforge.pipeline.on_node", f"--node={node}", f"--master={d.master_addr}",
-                   *([f"--addrs={addrs_arg}"] if addrs_arg else []), *(["--ssh"] if ssh else []), "--"]
+    def on_node(node: int | str) -> str:  # the agent, under the node's side of the launch (pipeline/launch/on_node.py)
+        wrapper = [sys.executable, "-m", "gptforge.pipeline.launch.on_node", f"--node={node}",
+                   f"--master={d.master_addr}", *([f"--addrs={addrs_arg}"] if addrs_arg else []),
+                   *(["--ssh"] if ssh else []), "--"]
         return shlex.join([*wrapper, *agent_command(cfg, stage, config_path, out_dir, inputs, node, port)])
 
     if ssh:
@@ -186,7 +187,7 @@ SSH_OPTIONS = ["-o", "BatchMode=yes", "-o", "ServerAliveInterval=10", "-o", "Ser
 def node_addresses(cfg: PipelineConfig, hosts: list[str]) -> list[str | None]:
     """Each node's address as the others reach it: `distributed.node_addrs`, else its entry of `hosts` (the
     hostfile's) where that is an address; None where the node finds its own (its route to master_addr:
-    pipeline/on_node.py)."""
+    pipeline/launch/on_node.py)."""
     import ipaddress
 
     d = cfg.distributed

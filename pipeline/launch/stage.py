@@ -1,4 +1,4 @@
-"""Running a stage: reuse its complete output, or start its processes on every node (gptforge.pipeline.nodes),
+"""Running a stage: reuse its complete output, or start its processes on every node (gptforge.pipeline.launch.nodes),
 each command as a child process group, stream their output, and record the output complete once they all exit
 cleanly; if one fails, the others are stopped and the stage fails with that one's own error line.
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.errors import StageFailed, UserError
-from gptforge.pipeline import fork_server
+from gptforge.pipeline.launch import fork_server
 from gptforge.pipeline.preflight import check_devices
-from gptforge.pipeline.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
-from gptforge.pipeline.team import gpu_slots
+from gptforge.pipeline.launch.nodes import hosts_rendezvous, node_commands, node_env, rendezvous
+from gptforge.pipeline.team.pools import gpu_slots
 from gptforge.pipeline.store import RunRecord, check_inputs, complete, locate, now, read_result, reuse
 from gptforge.core.declarations import STAGES
 
@@ -153,7 +153,7 @@ def run_streaming(cmds: list[list[str]], log: Callable[[str], None], env: dict |
         whole = {**os.environ, **(env or {})}
         if (forked := fork_server.start(cmd, whole)) is not None:  # on a CPU host: from one import of the stages
             return forked
-        ssh = cmd[0] == "ssh"  # a node over ssh: its channel stays open while the run lives (pipeline/on_node.py)
+        ssh = cmd[0] == "ssh"  # a node over ssh: its channel stays open while the run lives (launch/on_node.py)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.PIPE if ssh else subprocess.DEVNULL, env=whole,
                                 start_new_session=True)

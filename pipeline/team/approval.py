@@ -14,7 +14,7 @@ from pydantic import Field
 from prefect.input import RunInput
 
 from gptforge.pipeline.store import RunRecord, now
-from gptforge.pipeline.team import Rejected
+from gptforge.pipeline.team.pools import Rejected
 
 POLL_SECONDS = 3
 

@@ -1,12 +1,12 @@
 """A fork server for the stage processes a pipeline starts on a host without an accelerator: a process that has
 imported what stages import (torch, transformers, DeepSpeed, PEFT, gptforge's modelling code), and forks each
-stage's node agent (gptforge.pipeline.agent), or its one process where it has no launcher (an evaluation), from
+stage's node agent (gptforge.pipeline.launch.agent), or its one process where it has no launcher (an evaluation), from
 itself. The agent then forks its ranks as it does on a CPU node (warm ranks), on the imports it was born with.
 
 Why: a short stage's processes spend most of their CPU importing (6-7 s of a core for each agent), once per stage.
 With the server they import once per pipeline process: `gptforge run`'s, a flow run's, or the test session's.
 
-What the launcher (pipeline/launch.py: run_streaming) gets is what `subprocess.Popen(cmd, start_new_session=True)`
+What the launcher (pipeline/launch/stage.py: run_streaming) gets is what `subprocess.Popen(cmd, start_new_session=True)`
 would have given it, as it sees the process (`Forked`, handled as a Popen):
 - the process leads a session and process group of its own: killing the group ends it and the ranks it forked;
 - its stdin, stdout and stderr are the launcher's (passed over a Unix socket); its environment, working folder and
@@ -39,10 +39,10 @@ import threading
 from gptforge.model.train.tracking import PARENT_ENV
 
 # The commands forked: a node's agent, and an evaluation (`python -m MODULE ARG...`).
-FORKED = ("gptforge.pipeline.agent", "gptforge.stages.evaluate")
+FORKED = ("gptforge.pipeline.launch.agent", "gptforge.stages.evaluate")
 # Variables that differ between the stages of one environment, read only as a stage runs: the accelerate launcher's,
-# the rendezvous's (pipeline/nodes.py: node_env), the MLflow parent run, the guard's drills, Inductor's cache (which
-# torch sets to its default once it has compiled anything), and pytest's name for the running test.
+# the rendezvous's (pipeline/launch/nodes.py: node_env), the MLflow parent run, the guard's drills, Inductor's cache
+# (which torch sets to its default once it has compiled anything), and pytest's name for the running test.
 RUNTIME = ("ACCELERATE_*", "TORCHELASTIC_*", PARENT_ENV, "GPTFORGE_FAULTS", "TORCHINDUCTOR_CACHE_DIR",
            "PYTEST_CURRENT_TEST")
 MAX_SERVERS = 2
@@ -108,8 +108,8 @@ class Server:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = ours
         self.children: list[Forked] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.fork_server", str(theirs.fileno()),
-                                      " " * CMDLINE_ROOM], env=env, pass_fds=(theirs.fileno(),),
+        self.proc = subprocess.Popen([sys.executable, "-m", "gptforge.pipeline.launch.fork_server",
+                                      str(theirs.fileno()), " " * CMDLINE_ROOM], env=env, pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
 
@@ -217,7 +217,7 @@ class Forked:
 def serve(sock: socket.socket) -> None:
     """Fork what the launcher sends until its end of `sock` closes; then kill the process groups of what is still
     running, and return."""
-    from gptforge.pipeline import agent
+    from gptforge.pipeline.launch import agent
 
     children: dict[int, socket.socket] = {}  # pid -> its status socket
     wake_r, wake_w = os.pipe()
@@ -242,7 +242,7 @@ def serve(sock: socket.socket) -> None:
                     return
                 message, (stdin, stdout, status) = request
                 argv, me = message["argv"], os.getpid()
-                at = argv.index("-m", 3) + 1 if argv[2] == "gptforge.pipeline.agent" else 2  # the stage's module
+                at = argv.index("-m", 3) + 1 if argv[2] == "gptforge.pipeline.launch.agent" else 2  # the stage's module
                 agent.preimport(argv[at], argv[at + 1:])  # once here, for every stage after this one too
                 pid = os.fork()
                 if pid == 0:
@@ -292,7 +292,7 @@ def receive(sock: socket.socket) -> tuple[dict, list[int]] | None:
 def become(argv: list[str], env: dict[str, str], cwd: str, stdin: int, stdout: int, server: int):
     """In the forked process: take the launcher's session rules, descriptors, folder and command line, then run
     `argv`'s module (the agent's, or the evaluation's) as `python -m` would, and exit."""
-    from gptforge.pipeline import agent
+    from gptforge.pipeline.launch import agent
 
     try:
         os.setsid()

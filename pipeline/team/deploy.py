@@ -1,10 +1,10 @@
 """`gptforge deploy`: the team layout on the Prefect server at PREFECT_API_URL.
 
 - the work pools the config names (`run.work_pools`, `run.default_work_pool`), of type process unless they exist;
-- `gptforge-stage/<pool>` for each of them: the flow that runs one step there (gptforge.pipeline.team);
+- `gptforge-stage/<pool>` for each of them: the flow that runs one step there (gptforge.pipeline.team.pools);
 - `gptforge-pipeline/<name>` on `run.default_work_pool`, with `run.schedule` and a trigger on
   `gptforge.data.changed` about this pipeline;
-- `gptforge-watch/<name>`, every `run.watch_every` seconds (gptforge.pipeline.watch);
+- `gptforge-watch/<name>`, every `run.watch_every` seconds (gptforge.pipeline.team.watch);
 - the slot limit `run.slots` (`--slots N`);
 - the automation that marks a flow run Crashed once its heartbeats stop (open-source Prefect has no zombie detection
   of its own: Prefect's documented recipe), so a run whose process vanished is never left Running.
@@ -85,8 +85,8 @@ def deploy(cfg: PipelineConfig, name: str, slots: int | None, log=print) -> None
     from prefect.deployments.runner import EntrypointType
 
     from gptforge.pipeline.flow import pipeline_flow, stage_flow
-    from gptforge.pipeline.team import api_url
-    from gptforge.pipeline.watch import data_changed_trigger, watch_flow
+    from gptforge.pipeline.team.pools import api_url
+    from gptforge.pipeline.team.watch import data_changed_trigger, watch_flow
 
     if api_url() is None:
         raise ConfigError("gptforge deploy needs PREFECT_API_URL: the Prefect server to deploy to")

@@ -58,7 +58,7 @@ def pool_of(cfg: PipelineConfig, step: str) -> str | None:
 
 
 def slots_needed(cfg: PipelineConfig, step: str) -> int:
-    from gptforge.pipeline.nodes import single_process
+    from gptforge.pipeline.launch.nodes import single_process
 
     if not STAGES[step].gpus:  # tokenize: its own Ray workers on the CPU
         return 0
