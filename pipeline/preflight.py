@@ -33,7 +33,7 @@ from gptforge.core.config import PipelineConfig, dump_config
 from gptforge.core.errors import ConfigError
 from gptforge.data.sources import kind_of
 from gptforge.model.eval.harness import check_tasks
-from gptforge.model.eval.rewards import REWARD_MODEL, user_function
+from gptforge.model.rewards import REWARD_MODEL, user_function
 from gptforge.model.pretrained import check_models
 from gptforge.pipeline.launch.nodes import deepspeed_runner, launcher_of, read_hostfile, single_process
 from gptforge.pipeline.store import fingerprints, pipeline_steps

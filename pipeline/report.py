@@ -19,7 +19,7 @@ from gptforge.core.declarations import STAGES
 from gptforge.core.files import write_json_atomic
 from gptforge.model.train.metrics import HARNESS
 
-REWARDS = "rewards/"  # rewards/<label>: each reward of preference.rewards (gptforge.model.eval.rewards)
+REWARDS = "rewards/"  # rewards/<label>: each reward of preference.rewards (gptforge.model.rewards)
 
 # (panel title, logged keys drawn on it, y-axis label with its unit); a stage's figure has the panels it logged.
 PANELS = [

@@ -38,9 +38,9 @@ from gptforge.data import splits
 from gptforge.model.attention import load_kwargs
 from gptforge.model.train.distributed import barrier, setup_distributed
 from gptforge.model.train.engine import frozen, inference_config, partitioned, unwrap
-from gptforge.model.eval.generation import (answers, policy_and_judge, preference_report, reference_metrics,
-                                            score_references, stop_ids)
-from gptforge.model.eval import rewards
+from gptforge.model.eval.generation import answers, preference_report, reference_metrics, score_references
+from gptforge.model.rollout.generate import policy_and_judge, stop_ids
+from gptforge.model import rewards
 from gptforge.model.eval.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, start_model
 from gptforge.model.rollout.calls import format_of

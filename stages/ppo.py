@@ -8,7 +8,7 @@ the reference is the actor with its adapters disabled).
     deepspeed --num_gpus 2 -m gptforge.stages.ppo --config CONFIG --out DIR --input sft=DIR [--input reward=DIR]
 
 Each step: sample responses to the online prompts (data.prompts) with the KV cache; score them with
-preference.rewards (gptforge.model.eval.rewards: the reward model, checkers, the user's functions, a reward server,
+preference.rewards (gptforge.model.rewards: the reward model, checkers, the user's functions, a reward server,
 weighed and summed, each logged as rewards/<label>); per-token reward is
 the score at the last token minus kl_coef * (log pi - log pi_ref) at every token (fixed or adaptive
 kl_coef); GAE advantages (whitened) and returns; then ppo_epochs passes of the clipped policy and value
@@ -39,9 +39,9 @@ from gptforge.model.lora import as_reference, quantization, wrap
 from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
-from gptforge.model.eval import rewards
-from gptforge.model.eval.generation import (check_same_vocabulary, policy_and_judge, reward_scores, same_vocabulary,
-                                            stop_ids)
+from gptforge.model import rewards
+from gptforge.model.rollout.generate import (check_same_vocabulary, policy_and_judge, reward_scores,
+                                             same_vocabulary, stop_ids)
 from gptforge.model.rollout.calls import format_of
 from gptforge.model.rollout.episode import Agent, write_trajectories
 from gptforge.model.rollout.offpolicy import mismatch, token_weights

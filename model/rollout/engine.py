@@ -34,13 +34,13 @@ from collections.abc import Iterable
 import torch
 
 from gptforge.core.errors import UserError
-from gptforge.model.eval.generation import Turn, id_sampler
+from gptforge.model.rollout.generate import Turn, id_sampler
 
 
 class HFEngine:
     """transformers' `generate` with the KV cache over a causal LM (the training process's own module in sync mode,
     a rollout worker's copy in async mode). Rows are left-padded and sampled together; a row whose length budget
-    is below the batch's is sampled in a call of its own (gptforge.model.eval.generation.id_sampler), and `synced`
+    is below the batch's is sampled in a call of its own (gptforge.model.rollout.generate.id_sampler), and `synced`
     keeps the ranks of a ZeRO-3 model in step."""
 
     loads_weights = True

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gptforge.model.eval.generation import id_sampler, stop_ids
+from gptforge.model.rollout.generate import id_sampler, stop_ids
 from gptforge.data.chat import prompt_ids
 from gptforge.model.rollout.episode import Episode, rollouts, write_trajectories
 from gptforge.model.rollout.tools import Setup

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gptforge.core.errors import ConfigError
-from gptforge.model.eval.rewards import user_function
+from gptforge.model.rewards import user_function
 
 
 def schema(fn: Callable, key: str) -> dict:

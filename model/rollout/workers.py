@@ -107,7 +107,7 @@ class RolloutWorker:
 
         from transformers import AutoTokenizer
 
-        from gptforge.model.eval.generation import stop_ids
+        from gptforge.model.rollout.generate import stop_ids
         from gptforge.model.rollout.tools import Setup
 
         os.chdir(cwd)  # the user's engine, environment and tools import from the stage's working folder

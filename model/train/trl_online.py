@@ -1,5 +1,5 @@
 """The body the grpo and rloo stages share: TRL's online trainer (GRPOTrainer or RLOOTrainer) on the SFT policy,
-rewarded by preference.rewards (gptforge.model.eval.rewards: the reward model, checks of the reference answers,
+rewarded by preference.rewards (gptforge.model.rewards: the reward model, checks of the reference answers,
 the user's functions or a reward server) on the online prompts (data.prompts), with an optional ptx term (the
 chosen responses' loss), sequence parallelism where set, our metrics, checkpoints, guard and resume. The two
 algorithms differ only in their advantage (the group's mean against the leave-one-out mean), which is TRL's; each
@@ -16,8 +16,8 @@ from gptforge.core.config import PipelineConfig
 from gptforge.core.declarations import Stage
 from gptforge.data import splits
 from gptforge.data.chat import ChosenRows
-from gptforge.model.eval import rewards
-from gptforge.model.eval.generation import policy_and_judge
+from gptforge.model import rewards
+from gptforge.model.rollout.generate import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.model.rollout.calls import format_of

@@ -1,4 +1,4 @@
-"""preference.rewards (gptforge.model.eval.rewards): the built-in checks, the user's own function, a reward server on
+"""preference.rewards (gptforge.model.rewards): the built-in checks, the user's own function, a reward server on
 127.0.0.1 with its error paths, the weighed total, TRL's view of the same functions, and the prompts they score
 (data.prompts: {prompt, answer}, conversations, GSM8K's #### answers)."""
 
@@ -12,7 +12,7 @@ from gptforge.core.config import load_config
 from gptforge.core.errors import UserError
 from gptforge.data import splits
 from gptforge.data.formats import to_prompt_item
-from gptforge.model.eval import rewards
+from gptforge.model import rewards
 from tests.conftest import TINY
 
 

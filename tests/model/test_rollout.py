@@ -293,7 +293,7 @@ def test_a_turn_never_runs_past_the_positions_its_budget_leaves():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gptforge.model.eval.generation import id_sampler
+    from gptforge.model.rollout.generate import id_sampler
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,

@@ -9,7 +9,7 @@ import pytest
 
 from gptforge.data.splits import VAL_EVERY
 from gptforge.model.eval.generation import win_rate
-from gptforge.model.eval.rewards import verify
+from gptforge.model.rewards import verify
 from gptforge.pipeline.store import locate
 from tests.conftest import DPO, ROOT
 from tests.data.test_eval_set import user_files

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gptforge.model.eval.rewards import verify
+from gptforge.model.rewards import verify
 from tests.helpers import config, logged, run_stage, tokenize_from
 
 pytestmark = pytest.mark.slow

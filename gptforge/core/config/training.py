@@ -95,7 +95,7 @@ class OnlineSection(Section):
         return per_update // (world * micro_steps_per_update)
 
 
-REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length",  # gptforge.model.eval.rewards
+REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length",  # gptforge.model.rewards
                    "environment")
 
 
