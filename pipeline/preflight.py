@@ -2,7 +2,7 @@
 run`, the pipeline flow (a run started from the UI or a schedule) and `gptforge deploy` call it, so that a bad
 input is one `error:` line and nothing has trained.
 
-- the layout each stage takes (gptforge.stages.registry): what a sequence-parallel online stage cannot share;
+- the layout each stage takes (gptforge.core.registry): what a sequence-parallel online stage cannot share;
 - the host each stage starts on: one that loads its base through bitsandbytes (`<stage>.lora.quantize`) needs a
   GPU there, and DeepSpeed's runner over a hostfile of several hosts needs pdsh there; a stage sent to a work pool
   is checked by its worker, so a CPU head node validates a GPU config;
@@ -39,7 +39,7 @@ from gptforge.pipeline.launch.nodes import deepspeed_runner, launcher_of, read_h
 from gptforge.pipeline.store import fingerprints, pipeline_steps
 from gptforge.pipeline.team.pools import check_team, pool_of
 from gptforge.core.declarations import STAGES
-from gptforge.stages.registry import data_parallel
+from gptforge.core.registry import data_parallel
 
 CHECKED: set[tuple[str, tuple[str, ...], bool]] = set()  # checked, and not asked again since
 

@@ -27,7 +27,7 @@ from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.stages.entry import RESULT, run_rank
 from gptforge.core.declarations import EVALUATED, STAGES
-from gptforge.stages.registry import named_models, pipeline_stages
+from gptforge.core.registry import named_models, pipeline_stages
 
 STORE_VERSION = 2  # 2: fingerprints hash only the fields that can change a result; evaluation is its own step
 
@@ -62,7 +62,7 @@ def pipeline_steps(cfg: PipelineConfig) -> list[str]:
 
 def stage_config(cfg: PipelineConfig, step: str) -> dict:
     """The config that defines a step's output (what its fingerprint hashes): the fields of the sections its
-    declaration names (gptforge.stages.registry.Stage.sections) that can change a result, and the seed."""
+    declaration names (gptforge.core.registry.Stage.sections) that can change a result, and the seed."""
     if step.startswith("eval-"):
         return eval_config(cfg, step)
     declared = STAGES[step].sections
@@ -131,7 +131,7 @@ def lineage(cfg: PipelineConfig, step: str) -> list[str]:
 
 
 def base_model(cfg: PipelineConfig, step: str) -> dict | None:
-    """What identifies the models a step reads by name (gptforge.stages.registry.named_models): their settings and
+    """What identifies the models a step reads by name (gptforge.core.registry.named_models): their settings and
     their content (a hub name's resolved commit, a local directory's files)."""
     named = named_models(cfg, step)
     if not named:

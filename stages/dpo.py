@@ -26,7 +26,7 @@ from gptforge.model.train import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.entry import exit_process, main
-from gptforge.stages.registry import data_parallel
+from gptforge.core.registry import data_parallel
 
 # imported by its ranks once they have joined their group; by the warm agent before (gptforge.stages.entry.preload)
 RANK_IMPORTS = ("datasets", "trl.trainer.dpo_trainer")

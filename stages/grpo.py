@@ -1,7 +1,7 @@
 """GRPO stage: online RL of the SFT policy with TRL's GRPOTrainer: num_generations completions a prompt, their
 rewards less the group's mean (divided by the group's or batch's std, or not: preference.grpo.scale_rewards) as
 the advantage. Rewarded by preference.rewards on the online prompts (data.prompts), with an optional ptx term,
-under DeepSpeed ZeRO (accelerate launch); the body it shares with rloo is gptforge.model.train.trl_online.
+under DeepSpeed ZeRO (accelerate launch); the body it shares with rloo is gptforge.stages.trl_online.
 
     gptforge stage grpo -c CONFIG      (finds its inputs and output in the stage store)
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.grpo \\
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.declarations import STAGES
-from gptforge.model.train import trl_online
+from gptforge.stages import trl_online
 from gptforge.stages.entry import exit_process, main
 
 # imported by its ranks once they have joined their group; by the warm agent before (gptforge.stages.entry.preload)

@@ -32,7 +32,7 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import architecture, load_causal_lm, model_dir
 from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 from gptforge.stages.entry import exit_process, main
-from gptforge.stages.registry import data_parallel
+from gptforge.core.registry import data_parallel
 
 
 

@@ -37,7 +37,7 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import fit_embeddings, load_causal_lm, prepare_tokenizer, start_model
 from gptforge.model.train.tiling import lm_loss, logit_tiles, mlp_shards, tile_mlps
 from gptforge.stages.entry import exit_process, main
-from gptforge.stages.registry import data_parallel
+from gptforge.core.registry import data_parallel
 
 
 

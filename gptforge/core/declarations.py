@@ -6,7 +6,7 @@ stage's module imports transformers' Trainer, PEFT and TRL: seconds that a pipel
 
 It lives in core, the layer every other imports, so that the config schema can take its algorithm names from it;
 the functions that read a config to answer for a stage (which run in a pipeline, the models it names) are in
-gptforge.stages.registry. Adding a stage is a module `gptforge/stages/<name>.py` with `run(cfg, inputs, out_dir) ->
+gptforge.core.registry. Adding a stage is a module `gptforge/stages/<name>.py` with `run(cfg, inputs, out_dir) ->
 metrics`, its `Stage` here, its config section (gptforge.core.config.training) and its docs
 (docs/architecture.md: "A stage"). Each stage evaluated on held-out data has an evaluation step after it
 (`eval-<stage>`, computed by gptforge.stages.evaluate), declared here too.

@@ -20,7 +20,7 @@ from gptforge.core.config import PipelineConfig, load_config
 from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.pipeline.store import data_of, digest_cache, pipeline_steps
-from gptforge.stages.registry import named_models
+from gptforge.core.registry import named_models
 
 EVENT = "gptforge.data.changed"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"

@@ -3,7 +3,7 @@ from pydantic import BaseModel
 
 from gptforge.core.config import PipelineConfig, Section, load_config, result_fields, tokenizer_source
 from gptforge.core.errors import ConfigError
-from gptforge.stages.registry import pipeline_stages
+from gptforge.core.registry import pipeline_stages
 from tests.conftest import ROOT, TINY
 
 

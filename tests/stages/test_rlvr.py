@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from gptforge.stages.registry import pipeline_stages
+from gptforge.core.registry import pipeline_stages
 from gptforge.model import rewards as rewards_module
 from gptforge.pipeline.store import pipeline_steps
 from tests.helpers import config, logged, run_stage

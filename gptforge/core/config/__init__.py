@@ -8,7 +8,7 @@ it out of fingerprints, so changing it never retrains anything (see `result_fiel
 The schema is in four modules (`base`: fields and sections; `inputs`: run, data, tokenizer; `model_layout`: model,
 distributed layout, LoRA; `training`: the stages' own sections and evaluation); this one assembles them into
 `PipelineConfig`, checks what crosses sections, and loads YAML with overrides. What needs more than the config (the
-devices, files, models, servers) is gptforge.pipeline.preflight's; what a stage is, gptforge.stages.registry's.
+devices, files, models, servers) is gptforge.pipeline.preflight's; what a stage is, gptforge.core.registry's.
 """
 
 from __future__ import annotations
