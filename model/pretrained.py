@@ -15,6 +15,7 @@ mean of the old ones, gathered under ZeRO-3).
 
 from __future__ import annotations
 
+import logging
 import hashlib
 import json
 from pathlib import Path
@@ -169,6 +170,22 @@ def reference_is_policy(cfg) -> bool:
     """Whether the preference stages' reference is the policy itself with its adapters disabled (preference.lora,
     no preference.reference): then no second copy is loaded."""
     return bool(cfg.preference.lora.r) and not cfg.preference.reference
+
+
+def with_new_head(cls, path, stage: str, rank: int, **kwargs):
+    """`cls.from_pretrained(path, **kwargs)` where the model gets a head its checkpoint lacks on purpose (a reward
+    model's score on a causal LM): transformers' table of the weights it initialised (its LOAD REPORT, with advice
+    to train them) becomes one line of ours naming them."""
+    log = logging.getLogger("transformers.modeling_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    finally:
+        log.setLevel(level)
+    if info["missing_keys"] and rank == 0:
+        print(f"[{stage}] a new head, initialised here: {', '.join(sorted(info['missing_keys']))}", flush=True)
+    return model
 
 
 def start_model(cfg, inputs: dict[str, Path]) -> Path:

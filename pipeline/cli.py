@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from gptforge.core import console
 from gptforge.core.config import load_config
 from gptforge.core.errors import ConfigError, UserError, storage_error
 from gptforge.pipeline import prefect_env
@@ -369,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.quiet()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

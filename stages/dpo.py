@@ -21,7 +21,8 @@ from gptforge.model.train.checkpoints import no_pickled_code
 from gptforge.model.train.distributed import barrier, setup_distributed
 from gptforge.model.train.engine import uses_bf16
 from gptforge.model.export import export_trainer
-from gptforge.model.train.hf_trainer import Checkpoints, TrainerGuard, TrainerMetrics, resume_point, trainer_kwargs
+from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, our_console, resume_point,
+                                             trainer_kwargs)
 from gptforge.model.train import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
@@ -65,6 +66,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     trainer_cls = sequence_parallel.trainer(DPOTrainer, policy, dist, 2 * pc.micro_batch_size, "dpo")
     trainer = trainer_cls(model=policy, ref_model=reference, args=args,
                           train_dataset=train, processing_class=tokenizer, callbacks=[metrics, Checkpoints()])
+    our_console(trainer)
     with no_pickled_code():
         resumed = resume_point(out_dir, "dpo", rank, world)
         guard = TrainerGuard(trainer, pc, "dpo", out_dir, resumed)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from gptforge.core import console
 from gptforge.core.config import PipelineConfig, load_config
 from gptforge.core.errors import UserError, storage_error
 from gptforge.core.files import write_json_atomic
@@ -110,6 +111,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(stage: str, run: RunFn, argv: list[str] | None = None) -> int:
+    console.quiet()
     args = parser(f"gptforge.stages.{stage}").parse_args(argv)
     try:
         inputs = dict(_input(item) for item in args.input)

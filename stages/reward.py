@@ -31,7 +31,7 @@ from gptforge.model.rollout.generate import generate
 from gptforge.model.train.loop import TrainLoop
 from gptforge.model.train.losses import pairwise_reward_loss
 from gptforge.model.plan import stage_verdict
-from gptforge.model.pretrained import fit_embeddings, load_dtype, model_dir, prepare_tokenizer
+from gptforge.model.pretrained import fit_embeddings, load_dtype, model_dir, prepare_tokenizer, with_new_head
 from gptforge.stages.entry import exit_process, main
 
 
@@ -119,10 +119,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     torch.manual_seed(cfg.run.seed)
     dtype = load_dtype(cfg.model.dtype, uses_bf16(dist, device))
     with partitioned(ds_config):
-        model = AutoModelForSequenceClassification.from_pretrained(start, dtype=dtype,
-                                                                   trust_remote_code=cfg.model.trust_remote_code,
-                                                                   **quantization(rc.lora, dtype),
-                                                                   **load_kwargs(start, cfg.model, num_labels=1))
+        model = with_new_head(AutoModelForSequenceClassification, start, "reward", rank, dtype=dtype,
+                              trust_remote_code=cfg.model.trust_remote_code, **quantization(rc.lora, dtype),
+                              **load_kwargs(start, cfg.model, num_labels=1))
         grown = fit_embeddings(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:

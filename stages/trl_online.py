@@ -28,8 +28,9 @@ from gptforge.model.train import sequence_parallel
 from gptforge.model.train.checkpoints import no_pickled_code
 from gptforge.model.train.distributed import barrier, setup_distributed
 from gptforge.model.train.engine import uses_bf16
-from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, positions_from_mask,
-                                             prompts_dataset, resume_point, trainer_kwargs, use_reference, with_ptx)
+from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, our_console,
+                                             positions_from_mask, prompts_dataset, resume_point, trainer_kwargs,
+                                             use_reference, with_ptx)
 
 
 def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Stage, **algorithm_args) -> dict:
@@ -67,6 +68,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     trainer_cls = sequence_parallel.trainer(trainer_cls, policy, dist, pc.micro_batch_size, stage)
     trainer = trainer_cls(model=policy, args=args, train_dataset=prompts_dataset(prompts),
                           processing_class=tokenizer, callbacks=[metrics, Checkpoints()], **trl_rewards)
+    our_console(trainer)
     rewards.name_rewards(trainer, scoring)  # logged as rewards/<label>
     if pc.reference and pc.beta:
         use_reference(trainer, reference_dir(cfg, inputs), cfg.model)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from gptforge.core.files import write_json_atomic
 from gptforge.data.chat import ChosenRows, positions
@@ -43,6 +44,20 @@ def trainer_kwargs(section, dist, data_parallel: int, out_dir: Path, seed: int) 
         disable_tqdm=False, dataloader_num_workers=0, remove_unused_columns=False,
         ddp_timeout=int(dist.timeout_minutes * 60),
     )
+
+
+class ProgressBar(ProgressCallback):
+    """The Trainer's progress bar (which the pipeline follows) without its raw dict of every log: TrainerMetrics
+    prints each logged step in gptforge's names, as our own loops do."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return None
+
+
+def our_console(trainer) -> None:
+    """A Trainer's console as our loops': its progress bar, its logs as gptforge's step lines (TrainerMetrics)."""
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(ProgressBar())
 
 
 class TrainerMetrics(TrainerCallback):
@@ -89,6 +104,12 @@ class TrainerMetrics(TrainerCallback):
         if metrics:
             self.log.log(state.global_step, **metrics)
             self.last = metrics
+            if state.is_world_process_zero and "loss" in metrics:  # the step as our own loops print it
+                from tqdm import tqdm
+
+                tps, lr = metrics.get("tokens_per_sec"), metrics.get("lr", 0.0)
+                tqdm.write(f"step {state.global_step:6d} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
+                           f"{'n/a' if tps is None else f'{tps:,.0f}'} tok/s", file=sys.stderr)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.close()

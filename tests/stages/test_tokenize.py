@@ -125,27 +125,26 @@ def test_a_killed_stage_reruns_only_its_unfinished_units(small_cfg, tmp_path, un
 
 @pytest.mark.slow
 def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(small_cfg, tmp_path, monkeypatch):
-    """The same corpus tokenized on a 2-CPU Ray cluster started here on 127.0.0.1 (`tokenizer.cluster`) and unit by
-    unit in this process: the cluster's workers ran the tasks; the same fingerprint (where it runs is not what it
+    """The same corpus tokenized on a 2-CPU Ray cluster started here on 127.0.0.1 (`tokenizer.cluster`: the stage
+    connects to it or fails) and unit by unit in this process: the same fingerprint (where it runs is not what it
     is), token for token the same shards and byte for byte the same tokenizer.json. (Across two hosts:
     tests/pipeline/test_two_hosts.py; the stage's own local instance: tests/pipeline/test_listening.py.)"""
     import os
-    import shutil
     import signal
     import socket
-    from pathlib import Path
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for k in range(5):
         (corpus / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"{w} number {i} of part {k}"}) + "\n"
                                                         for i, w in enumerate(MIXED * 60)))
-    port, temp = free_port(), Path(f"/tmp/gfray{os.getpid()}")  # (Ray's socket paths must stay short)
+    port = free_port()
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", f"--temp-dir={temp}",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
                              "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                            # (a head started by hand makes a token once ~/.ray/auth_token exists; this process has none)
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
     try:
         here = small_cfg(f"data.pretrain={corpus}", f"run.root={tmp_path / 'here'}")
         cluster = small_cfg(f"data.pretrain={corpus}", f"run.root={tmp_path / 'cluster'}",
@@ -162,7 +161,6 @@ def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(smal
                 assert time.time() < deadline and head.poll() is None, "the Ray head did not start"
                 time.sleep(0.5)
         outputs.append(execute(cluster, "tokenize"))
-        workers = list(temp.glob("session_*/logs/python-core-worker-*.log"))
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
@@ -170,8 +168,6 @@ def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(smal
         except subprocess.TimeoutExpired:  # (Ray takes half a minute to stop by itself)
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
-        shutil.rmtree(temp, ignore_errors=True)
-    assert workers, "the cluster ran none of the tasks"
     assert outputs[0]["fingerprint"] == outputs[1]["fingerprint"]
     dirs = [locate(c, "tokenize")[0] for c in (here, cluster)]
     files = [sorted(f.name for f in (d / "shards").glob("*.bin")) for d in dirs]
