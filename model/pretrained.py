@@ -172,17 +172,22 @@ def reference_is_policy(cfg) -> bool:
     return bool(cfg.preference.lora.r) and not cfg.preference.reference
 
 
+class NoLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
 def with_new_head(cls, path, stage: str, rank: int, **kwargs):
     """`cls.from_pretrained(path, **kwargs)` where the model gets a head its checkpoint lacks on purpose (a reward
     model's score on a causal LM): transformers' table of the weights it initialised (its LOAD REPORT, with advice
     to train them) becomes one line of ours naming them."""
-    log = logging.getLogger("transformers.modeling_utils")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    log = logging.getLogger("transformers.modeling_utils")  # (its level left alone: transformers reads it)
+    report = NoLoadReport()
+    log.addFilter(report)
     try:
         model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
     finally:
-        log.setLevel(level)
+        log.removeFilter(report)
     if info["missing_keys"] and rank == 0:
         print(f"[{stage}] a new head, initialised here: {', '.join(sorted(info['missing_keys']))}", flush=True)
     return model

@@ -110,7 +110,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             "pad_token_id": tokenizer.pad_token_id}, zero3=build if dist.zero_stage == 3 else None,
             model_cfg=cfg.model)
     if dist.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     sp = sequence_parallel.setup(model, dist, pc.micro_batch_size, pc.seq_len, "pretrain.seq_len")
     dp_rank = sp.dp_rank if sp else rank
     local_len = pc.seq_len // dist.sequence_parallel  # the tokens of a window this rank holds

@@ -125,7 +125,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         grown = fit_embeddings(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id  # the score is read at the last non-pad token
     if dist.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     model = wrap(model, rc.lora, "sequence-classifier", "reward.lora", grown, dist.activation_checkpointing)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
     engine, scheduler, grad_accum = init_engine(model, ds_config, rc, dist, elastic,

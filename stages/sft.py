@@ -88,7 +88,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     if rank == 0 and (added or grown):
         print(f"[sft] added {added} to the tokenizer; embeddings grown by {len(grown)} rows (trained)", flush=True)
     if dist.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     sp = sequence_parallel.setup(model, dist, sc.micro_batch_size, None, "sft.max_length")
     dp_rank = sp.dp_rank if sp else rank
     local_len = sc.max_length // dist.sequence_parallel  # the most tokens of a row this rank holds

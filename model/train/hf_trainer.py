@@ -40,7 +40,7 @@ def trainer_kwargs(section, dist, data_parallel: int, out_dir: Path, seed: int) 
         adam_beta2=0.95, logging_steps=section.log_every, save_strategy="steps", save_steps=section.save_every,
         save_total_limit=section.keep_last, report_to=[],  # our TrainerMetrics writes the JSONL and TensorBoard
         use_cpu=not cuda, bf16=cuda and dist.precision in ("auto", "bf16"),
-        gradient_checkpointing=dist.activation_checkpointing,
+        activation_checkpointing=dist.activation_checkpointing,
         disable_tqdm=False, dataloader_num_workers=0, remove_unused_columns=False,
         ddp_timeout=int(dist.timeout_minutes * 60),
     )

@@ -143,7 +143,7 @@ def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(smal
                              "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
                              "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            # (a head started by hand makes a token once ~/.ray/auth_token exists; this process has none)
+                            # (a head started by hand makes a token where ~/.ray/auth_token exists; this test has none)
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
     try:
         here = small_cfg(f"data.pretrain={corpus}", f"run.root={tmp_path / 'here'}")
