@@ -22,14 +22,14 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from gptforge.core.config.base import (ALGORITHMS, ONLINE_ALGORITHMS, Algorithm, Section, Setting,  # noqa: F401
                                        result_fields, size_in_bytes)
-from gptforge.core.config.inputs import (CURATE_FILTERS, CurateSection, DataSection, DemoSection,  # noqa: F401
-                                         EvalSourceSection, PromptSourceSection, RunSection, SourceSection,
-                                         TokenizerSection)
+from gptforge.core.config.inputs import (DataSection, DemoSection, EvalSourceSection,  # noqa: F401
+                                         PromptSourceSection, RunSection, SourceSection, TokenizerSection)
 from gptforge.core.config.model_layout import (ATTENTION, DistributedSection, LoraSection,  # noqa: F401
                                                ModelSection, RopeSection)
-from gptforge.core.config.training import (REWARD_BUILT_IN, DPOSection, EvalSection, GRPOSection,  # noqa: F401
-                                           OnlineSection, PPOSection, PreferenceSection, PretrainSection,
-                                           RewardSection, RewardSpec, RLOOSection, SFTSection, TrainSection)
+from gptforge.core.config.training import (CURATE_FILTERS, REWARD_BUILT_IN, CurateSection,  # noqa: F401
+                                           DPOSection, EvalSection, GRPOSection, OnlineSection, PPOSection,
+                                           PreferenceSection, PretrainSection, RewardSection, RewardSpec,
+                                           RLOOSection, SFTSection, TrainSection)
 from gptforge.core.declarations import TRAINED_SECTIONS, ULYSSES_SPLITS
 from gptforge.core.errors import ConfigError
 

@@ -1,12 +1,12 @@
-"""The training stages' sections: pretraining, SFT, the reward model, the preference algorithms and their rewards,
-and the evaluation of finished outputs."""
+"""The stages' own sections: pretraining, SFT, the reward model, the preference algorithms and their rewards, the
+evaluation of finished outputs, and curation."""
 
 from __future__ import annotations
 
 import difflib
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from gptforge.core.config.base import Algorithm, Section, Setting
 from gptforge.core.declarations import EVALUATED
@@ -280,3 +280,75 @@ class EvalSection(Section):
     harness_include: list[str] = Setting([], description="Folders of the user's own task YAMLs for harness_tasks.")
     harness_limit: int | None = Setting(None, ge=1, description="Examples per harness task (None: all).")
     harness_num_fewshot: int | None = Setting(None, ge=0, description="Few-shot examples (None: each task's own).")
+
+
+CURATE_FILTERS = ("gopher_quality", "gopher_repetition", "c4", "fineweb")  # datatrove's quality filters
+
+
+class NearDedupSection(Section):
+    """MinHash near-deduplication (datatrove's MinhashDedup* blocks): documents whose word n-gram sets overlap by
+    `threshold` (Jaccard) or more are near duplicates; one of each cluster is kept."""
+
+    enabled: bool = Setting(True, description="Remove near duplicates.")
+    threshold: float = Setting(0.8, gt=0, le=1, description="Jaccard similarity of two documents' n-gram sets from "
+                               "which they are near duplicates (each candidate pair is verified against it).")
+    bands: int = Setting(14, ge=1, description="LSH bands (buckets): candidates share all the hashes of one band.")
+    rows: int = Setting(8, ge=1, description="Hashes a band; bands x rows hashes a document.")
+    ngram: int = Setting(5, ge=1, description="Words an n-gram (shingle).")
+
+
+class DecontaminateSection(Section):
+    """Documents sharing a word n-gram with anything the pipeline evaluates on are removed."""
+
+    enabled: bool = Setting(True, description="Remove documents that hold evaluation items.")
+    ngram: int = Setting(13, ge=1, description="Words an n-gram; an evaluation item shorter than this is matched "
+                         "whole.")
+    min_words: int = Setting(8, ge=1, description="Shortest evaluation item matched (shorter ones would match "
+                             "everyday phrases).")
+    extra: list[str] = Setting([], description="More files of evaluation items (text lines, or JSON rows with "
+                               "prompt/answer, question/answer or text) to decontaminate against.")
+
+
+class CurateSection(Section):
+    """The curate stage (before tokenize): datatrove's blocks on Ray, on the local instance or tokenizer.cluster."""
+
+    enabled: bool = Setting(False, description="Curate curate.sources before the stages that read them (they read "
+                            "its output).")
+    sources: list[Literal["pretrain", "sft", "preference"]] = Setting(["pretrain"], description="The data sources "
+                                                                       "curated: pretrain by every pass; sft and "
+                                                                       "preference by PII, decontamination and dedup "
+                                                                       "of their training rows (held-out rows stay).")
+    exact_dedup: bool = Setting(True, description="Remove exact duplicates (the text's hash), keeping one.")
+    near_dedup: NearDedupSection = Setting(default_factory=NearDedupSection, description="MinHash near-dedup.")
+    filters: dict[str, dict] = Setting({}, description="Quality filters in order, each with its arguments: "
+                                       "gopher_repetition, gopher_quality, c4, fineweb, e.g. {c4: {}}.")
+    pii: bool = Setting(True, description="Replace email and IP addresses (datatrove's PIIFormatter).")
+    languages: list[str] = Setting([], description="Keep documents in these languages (ISO 639-1, e.g. [en]); "
+                                   "empty: no language filter.")
+    language_model: str = Setting("lingua", description="Language identification: lingua (its models ship with "
+                                  "it, offline) or the path of a local fastText model (lid.176.bin).")
+    language_threshold: float = Setting(0.65, gt=0, le=1, description="Smallest confidence of a kept language.")
+    decontaminate: DecontaminateSection = Setting(default_factory=DecontaminateSection,
+                                                  description="n-gram decontamination against the evaluation data.")
+    tasks: int = Setting(0, ge=0, same_result=True, description="datatrove tasks a pass (0: one a unit of the "
+                         "source, at most 256); the output is the same for any number.")
+    examples: int = Setting(3, ge=0, same_result=True, description="Removed documents shown for each reason in the "
+                            "report.")
+
+    @field_validator("filters")
+    @classmethod
+    def _known_filters(cls, filters: dict) -> dict:
+        for name in filters:
+            if name not in CURATE_FILTERS:
+                close = difflib.get_close_matches(name, CURATE_FILTERS, n=1)
+                raise ValueError(f"unknown filter {name!r}; filters: {', '.join(CURATE_FILTERS)}"
+                                 + (f"; did you mean {close[0]!r}?" if close else ""))
+        return filters
+
+    @field_validator("languages")
+    @classmethod
+    def _iso_codes(cls, languages: list[str]) -> list[str]:
+        for lang in languages:
+            if not (len(lang) == 2 and lang.isalpha() and lang.islower()):
+                raise ValueError(f"{lang!r} is not an ISO 639-1 code (two letters, e.g. en)")
+        return languages
