@@ -35,7 +35,11 @@ class Stage:
       `prompts`: prompts it samples, from data.prompts where set); `data_sources`: cfg -> the sources it reads
       where the config chooses them (curate's);
     - `outputs`: {name: path in its output folder}, hashed into its manifest (a `funnel` is drawn by the report
-      and shown in Prefect's UI).
+      and shown in Prefect's UI);
+    - `named`: the models it reads by name where the config sets them, rather than from an upstream stage's output
+      (gptforge.core.registry.named_models): `tokenizer` (tokenizer.pretrained, else model.pretrained's), `model`
+      (model.pretrained), `base` (model.pretrained where the run does not pretrain it), `reward.pretrained`,
+      `preference.reward_model`, `preference.reference`, `preference.ppo.critic`.
 
     What it is:
     - `section`: the config section of its training settings (every preference algorithm shares `preference`);
@@ -79,6 +83,7 @@ class Stage:
     loss_units: str | None = None
     gpus: bool = True
     unused_inputs: dict[str, Callable[[Any], bool]] = field(default_factory=dict)
+    named: tuple[str, ...] = ()
     data_sources: Callable[[Any], tuple[str, ...]] | None = None
 
     @property
@@ -109,35 +114,41 @@ _TRAINED = [
           outputs={"documents": "documents", "sft": "sft", "preference": "preference", "removed": "removed",
                    "funnel": "funnel.json", "decontamination": "decontamination.json"}, launcher="single"),
     Stage("tokenize", "tokenize", ("curate",), ("tokenizer",), seeded=False, data="pretrain",
-          outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=3, gpus=False),
+          outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=3, gpus=False,
+          named=("tokenizer",)),
     Stage("pretrain", "pretrain", ("tokenize",), ("model", "pretrain"), sequence_parallel=True, section="pretrain",
-          length="seq_len", dense_mask="document_mask", ulysses_mask="document_mask"),
+          length="seq_len", dense_mask="document_mask", ulysses_mask="document_mask", named=("model",)),
     Stage("sft", "sft", ("curate", "pretrain"), ("sft",), data="sft", sequence_parallel=True, section="sft",
-          ulysses_mask="packing"),
+          ulysses_mask="packing", named=("base",)),
     # a reward model started from reward.pretrained reads SFT's output only to sample it (reward.policy_samples)
     Stage("reward", "reward", ("curate", "sft"), ("reward",), data="preference", section="reward", reads="pairs",
-          loss_units=PAIRWISE,
+          loss_units=PAIRWISE, named=("reward.pretrained",),
           unused_inputs={"sft": lambda cfg: bool(cfg.reward.pretrained) and not cfg.reward.policy_samples}),
     Stage("dpo", "dpo", ("curate", "sft"), ("preference", "preference.dpo"), data="preference",  # no reward model
           launcher="accelerate", sequence_parallel=True, section="preference", reads="pairs", trainer="DPO",
-          loss_units=PAIRWISE),
+          loss_units=PAIRWISE, named=("preference.reference",)),
     Stage("ppo", "ppo", ("curate", "sft", "reward"), ("preference", "preference.ppo"), data="preference",
-          section="preference", reads="prompts", rewarded=True, async_rollouts=True),
+          section="preference", reads="prompts", rewarded=True, async_rollouts=True,
+          named=("preference.reward_model", "preference.reference", "preference.ppo.critic")),
     Stage("grpo", "grpo", ("curate", "sft", "reward"), ("preference", "preference.grpo"), data="preference",
           launcher="accelerate", sequence_parallel=True, section="preference", reads="prompts", rewarded=True,
-          async_rollouts=True, trainer="GRPO", loss_units=POLICY),
+          async_rollouts=True, trainer="GRPO", loss_units=POLICY,
+          named=("preference.reward_model", "preference.reference")),
     Stage("rloo", "rloo", ("curate", "sft", "reward"), ("preference", "preference.rloo"), data="preference",
           launcher="accelerate", sequence_parallel=True, section="preference", reads="prompts", rewarded=True,
-          async_rollouts=True, trainer="RLOO", loss_units=POLICY),
+          async_rollouts=True, trainer="RLOO", loss_units=POLICY,
+          named=("preference.reward_model", "preference.reference")),
 ]
 STAGES: dict[str, Stage] = {s.name: s for s in [
     *_TRAINED,
     # evaluation steps: one process unless eval.processes (gptforge.pipeline.launch.nodes.evaluation_on_every_rank); the
     # store picks the eval fields each one reads (gptforge.pipeline.store.eval_config). A policy's answers are
     # scored by preference.rewards, with pass@k over eval.samples; SFT's by the demo's exact match.
-    Stage("eval-sft", "evaluate", ("sft", "pretrain"), ("eval",), outputs=EVAL_OUTPUTS, launcher="single"),
+    Stage("eval-sft", "evaluate", ("sft", "pretrain"), ("eval",), outputs=EVAL_OUTPUTS, launcher="single",
+          named=("base",)),
     *[Stage(f"eval-{s.name}", "evaluate", (s.name, "sft", "reward"), ("eval",), outputs=EVAL_OUTPUTS,
-            launcher="single", rewarded=True) for s in _TRAINED if s.section == "preference"],
+            launcher="single", rewarded=True, named=("preference.reward_model",))
+      for s in _TRAINED if s.section == "preference"],
 ]}
 
 # What the config schema takes from the table: preference.algorithm's names, those rewarded by preference.rewards,

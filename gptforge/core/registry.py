@@ -4,7 +4,7 @@ name rather than from an upstream stage's output."""
 
 from __future__ import annotations
 
-from gptforge.core.config import ALGORITHMS, DistributedSection, PipelineConfig, tokenizer_source
+from gptforge.core.config import DistributedSection, PipelineConfig, tokenizer_source
 from gptforge.core.declarations import STAGES
 
 
@@ -31,24 +31,19 @@ def pipeline_stages(cfg: PipelineConfig) -> list[str]:
 
 
 def named_models(cfg: PipelineConfig, step: str) -> dict[str, tuple[str, str | None]]:
-    """The models a step reads by name rather than from an upstream stage's output: {config key: (hub name or
-    directory, revision)}."""
-    out = {}
-    if step == "tokenize":
-        name, revision = tokenizer_source(cfg)
-        if name:
-            out["tokenizer.pretrained" if cfg.tokenizer.pretrained else "model.pretrained"] = (name, revision)
-    if cfg.model.pretrained and (step == "pretrain" or (step in ("sft", "eval-sft") and not cfg.pretrain.enabled)):
+    """The models a step reads by name rather than from an upstream stage's output (those of its declaration's
+    `named` that the config sets): {config key: (hub name or directory, revision)}."""
+    named, pc, out = STAGES[step].named, cfg.preference, {}
+    if "tokenizer" in named and (source := tokenizer_source(cfg))[0]:
+        out["tokenizer.pretrained" if cfg.tokenizer.pretrained else "model.pretrained"] = source
+    if cfg.model.pretrained and ("model" in named or ("base" in named and not cfg.pretrain.enabled)):
         out["model.pretrained"] = (cfg.model.pretrained, cfg.model.revision)
-    if step == "reward" and cfg.reward.pretrained:
+    if "reward.pretrained" in named and cfg.reward.pretrained:
         out["reward.pretrained"] = (cfg.reward.pretrained, None)
-    pc, algorithm = cfg.preference, step.removeprefix("eval-")
-    if algorithm in ALGORITHMS:
-        judged = STAGES[step].rewarded  # DPO needs no reward model; its evaluation does
-        if pc.reward_model and judged and pc.uses_reward_model():
-            out["preference.reward_model"] = (pc.reward_model, None)
-        if pc.reference and step == algorithm:
-            out["preference.reference"] = (pc.reference, None)
-        if pc.ppo.critic and step == "ppo":
-            out["preference.ppo.critic"] = (pc.ppo.critic, None)
+    if "preference.reward_model" in named and pc.reward_model and pc.uses_reward_model():
+        out["preference.reward_model"] = (pc.reward_model, None)
+    if "preference.reference" in named and pc.reference:
+        out["preference.reference"] = (pc.reference, None)
+    if "preference.ppo.critic" in named and pc.ppo.critic:
+        out["preference.ppo.critic"] = (pc.ppo.critic, None)
     return out
