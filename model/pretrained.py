@@ -15,11 +15,12 @@ mean of the old ones, gathered under ZeRO-3).
 
 from __future__ import annotations
 
-import logging
 import hashlib
+import logging
 import json
 from pathlib import Path
 
+from gptforge.core import console
 from gptforge.core.errors import ConfigError, UserError
 from gptforge.data.tokenizer import chat_template
 
@@ -172,17 +173,12 @@ def reference_is_policy(cfg) -> bool:
     return bool(cfg.preference.lora.r) and not cfg.preference.reference
 
 
-class NoLoadReport(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "LOAD REPORT" not in record.getMessage()
-
-
 def with_new_head(cls, path, stage: str, rank: int, **kwargs):
     """`cls.from_pretrained(path, **kwargs)` where the model gets a head its checkpoint lacks on purpose (a reward
     model's score on a causal LM): transformers' table of the weights it initialised (its LOAD REPORT, with advice
     to train them) becomes one line of ours naming them."""
     log = logging.getLogger("transformers.modeling_utils")  # (its level left alone: transformers reads it)
-    report = NoLoadReport()
+    report = console.Drop("LOAD REPORT")
     log.addFilter(report)
     try:
         model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)

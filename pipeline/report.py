@@ -51,7 +51,7 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
 
 def funnel_of(stage: str, info: dict) -> Path | None:
     """The funnel a run's stage wrote (its declaration's `funnel` output), if it wrote one."""
-    name = STAGES[stage].outputs.get("funnel") if stage in STAGES else None
+    name = STAGES[stage].outputs.get("funnel")
     path = Path(info["output"]) / name if name and info.get("output") else None
     return path if path is not None and path.is_file() else None
 
@@ -267,8 +267,8 @@ def markdown(record: dict, plots: list[str], image) -> str:
         if FUNNEL in plots and funnel_of(stage, info) is not None:
             md += [funnel_markdown(Path(info["output"]), image), ""]
     for stage, info in record["stages"].items():
-        samples = stage in STAGES and STAGES[stage].reads == "prompts"  # an online stage's episodes
-        if samples and info.get("output") and (episode := trajectory_markdown(stage, Path(info["output"]))):
+        if STAGES[stage].reads == "prompts" and info.get("output") and (  # an online stage's episodes
+                episode := trajectory_markdown(stage, Path(info["output"]))):
             md += [episode, ""]
     md += [f"![{n}]({image(n)})\n" for n in plots if n != FUNNEL]
     return "\n".join(md)

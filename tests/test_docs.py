@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gptforge.core.config import PipelineConfig
-from gptforge.core.config.reference import _models, reference
+from gptforge.core.config.reference import reference, section_models
 from gptforge.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def resolves(key: str) -> bool:
         field = model.model_fields.get(part)
         if field is None:  # a property of a section (distributed.world_size) is read as a key is
             return i == len(parts) - 1 and isinstance(getattr(model, part, None), property)
-        subs = _models(field.annotation)
+        subs = section_models(field.annotation)
         if i < len(parts) - 1:
             if not subs:
                 return False

@@ -6,6 +6,7 @@ it starts inherits the environment, a forked one the filters)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -22,11 +23,12 @@ LIBRARY_LOGS = [
     # accelerate then finds DeepSpeed's config holding the real count: it says so, and keeps DeepSpeed's, as it should
     ("accelerate.accelerator", "Gradient accumulation steps mismatch"),
 ]
-QUIETED = False
 QUIET_BARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
 class Drop(logging.Filter):
+    """Drops the log records whose message holds `text`."""
+
     def __init__(self, text: str):
         super().__init__()
         self.text = text
@@ -35,13 +37,10 @@ class Drop(logging.Filter):
         return self.text not in record.getMessage()
 
 
+@functools.cache
 def quiet() -> None:
     """Filter LIBRARY_WARNINGS and LIBRARY_LOGS in this process, and turn the libraries' progress bars off here and
     in the processes it starts (unless the user set those variables). Once a process."""
-    global QUIETED
-    if QUIETED:
-        return
-    QUIETED = True
     for category, message in LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, text in LIBRARY_LOGS:

@@ -22,7 +22,7 @@ from gptforge.data.chat import ChosenRows, positions
 from gptforge.model.train.checkpoints import newest_valid_checkpoint, record_complete
 from gptforge.model.train.engine import min_lr_rate, zero_config
 from gptforge.model.train.losses import causal_lm_loss
-from gptforge.model.train.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer
+from gptforge.model.train.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer, step_line
 
 
 def trainer_kwargs(section, dist, data_parallel: int, out_dir: Path, seed: int) -> dict:
@@ -107,9 +107,8 @@ class TrainerMetrics(TrainerCallback):
             if state.is_world_process_zero and "loss" in metrics:  # the step as our own loops print it
                 from tqdm import tqdm
 
-                tps, lr = metrics.get("tokens_per_sec"), metrics.get("lr", 0.0)
-                tqdm.write(f"step {state.global_step:6d} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
-                           f"{'n/a' if tps is None else f'{tps:,.0f}'} tok/s", file=sys.stderr)
+                tqdm.write(step_line(state.global_step, metrics["loss"], metrics.get("lr", 0.0),
+                                     metrics.get("tokens_per_sec")), file=sys.stderr)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.close()

@@ -33,7 +33,7 @@ from gptforge.model.train.checkpoints import resume, save_step
 from gptforge.model.train.distributed import all_mean, all_sum, barrier
 from gptforge.model.train.engine import grad_norm
 from gptforge.model.train.guard import StepGuard
-from gptforge.model.train.metrics import MetricsLog, Throughput
+from gptforge.model.train.metrics import MetricsLog, Throughput, step_line
 
 
 class TrainLoop:
@@ -109,9 +109,7 @@ class TrainLoop:
                      **mfu, bad_steps=self.guard.bad_steps,
                      **{k: all_mean(v, self.device) for k, v in self.means.items()}, **extra)
         if self.rank == 0:
-            shown = f" | mfu {'n/a' if mfu['mfu'] is None else format(mfu['mfu'], '.1%')}" if mfu else ""
-            tqdm.write(f"step {self.step:6d} | loss {self.train_loss:.4f} | lr {lr:.2e} | "
-                       f"{'n/a' if tps is None else f'{tps:,.0f}'} tok/s{shown}", file=sys.stderr)
+            tqdm.write(step_line(self.step, self.train_loss, lr, tps, mfu.get("mfu", False)), file=sys.stderr)
 
     def save(self, **state) -> None:
         """A step checkpoint every save_every steps (not at the last: the export follows): the engine, the data

@@ -229,3 +229,12 @@ class Throughput:
         seconds, tokens = self._total if self._total[0] else self._all
         tokens = self.reduce(tokens)
         return round(tokens / seconds, 1) if seconds else None
+
+
+def step_line(step: int, loss: float, lr: float, tokens_per_sec: float | None, mfu: float | None | bool = False) -> str:
+    """A logged step as every training stage prints it (our loops and a TRL Trainer's logs alike); `mfu`: False
+    where the stage reports none."""
+    shown = "" if mfu is False else f" | mfu {'n/a' if mfu is None else format(mfu, '.1%')}"
+    rate = "n/a" if tokens_per_sec is None else f"{tokens_per_sec:,.0f}"
+    return f"step {step:6d} | loss {loss:.4f} | lr {lr:.2e} | {rate} tok/s{shown}"
+

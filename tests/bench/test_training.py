@@ -38,6 +38,7 @@ def test_yarn_bench(tmp_path):
     loss = {n: float(re.search(rf"^seed 0 {n}: val_loss ([\d.]+) at 256 tokens", out, re.M).group(1))
             for n in ("yarn", "raised")}
     assert loss["yarn"] < loss["raised"] - 0.03, out
+    assert re.search(r"  YaRN's margin \(raised - yarn\): [\d.]+ ± nan", out), out
     model_dir = Path(re.search(r"seed 0 yarn: val_loss [\d.]+ at 256 tokens; model (\S+)", out).group(1))
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     rope = model.config.rope_parameters

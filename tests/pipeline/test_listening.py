@@ -63,7 +63,7 @@ def test_two_pipelines_side_by_side_each_with_its_own_servers_listen_on_loopback
     results = {}
     for n, proc in procs.items():
         out = (tmp_path / f"{n}.log").read_text()
-        assert proc.returncode == 0, out[-4000:]
+        assert proc.returncode == 0 and "run tiny finished" in out, out[-4000:]
         names = {what for what, _, _ in seen[n]}
         assert {"pipeline", "prefect server", "gcs_server", "raylet"} <= names, (names, out[-2000:])
         assert {ip for _, ip, _ in seen[n]} <= LOOPBACK, sorted(seen[n])
