@@ -270,6 +270,20 @@ def resume(pids: list[int]) -> None:
             os.kill(pids.pop(), signal.SIGCONT)
 
 
+def approve(client, run_id, run_input: dict) -> None:
+    """Answer a paused run's approval as a person does from the UI: again while the run is still paused. A busy SQLite
+    server can drop the transition (its state validation met a locked database in a CI run of 2026-12-06, and the
+    approved run stayed paused for good)."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.responses import SetStateStatus
+
+    deadline = time.time() + 120
+    while client.read_flow_run(run_id).state_type == StateType.PAUSED:
+        assert time.time() < deadline, "the run stayed paused"
+        if client.resume_flow_run(run_id, run_input=run_input).status != SetStateStatus.ACCEPT:
+            time.sleep(1)
+
+
 def test_approval_gate_approved_then_rejected(team, tmp_path):
     """`run.approve_before: [pretrain]`, the stages on the pools: tokenize computes on `cpu` as a child flow run of
     the pipeline's, then the flow pauses, holding no slot; approved through the API it goes on without recomputing
@@ -289,8 +303,8 @@ def test_approval_gate_approved_then_rejected(team, tmp_path):
                               300, f"{n} to pause") for n in cfgs}
         assert client.read_global_concurrency_limit_by_name("gptforge-gpus").active_slots == 0
         assert record(cfgs["approved"])["stages"]["pretrain"]["status"] == "awaiting approval"
-        client.resume_flow_run(paused["approved"].id, run_input={"approve": True, "note": "tokens look right"})
-        client.resume_flow_run(paused["rejected"].id, run_input={"approve": False, "note": "wrong tokenizer"})
+        approve(client, paused["approved"].id, {"approve": True, "note": "tokens look right"})
+        approve(client, paused["rejected"].id, {"approve": False, "note": "wrong tokenizer"})
         for proc in procs.values():
             proc.wait(400)
         states = {n: client.read_flow_run(r.id).state for n, r in paused.items()}
