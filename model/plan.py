@@ -19,6 +19,7 @@ the prefetch bucket (0.9·h² elements, the size the engine gives it) in 16 bits
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -262,3 +263,44 @@ def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int,
     line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world,
                    device_memory_gib(device))
     return f"the planner ({cfg.model.name()}): {line}"
+
+
+def fits(cfg, train, student_dir, teacher_dir, section: str) -> str | None:
+    """Why a model given by directory (`student_dir`, trained with the section `train`) does not fit the run's
+    devices by the planner, beside a frozen teacher (`teacher_dir`, its 16-bit weights partitioned over the
+    processes under ZeRO-3), or None where it fits or the memory is unknown. The devices: this host's GPUs, else
+    its memory shared by the local processes."""
+    from transformers import AutoConfig
+
+    from gptforge.model.build import arch_of
+
+    dist = cfg.distributed
+    config = AutoConfig.from_pretrained(student_dir, trust_remote_code=cfg.model.trust_remote_code)
+    arch, world = arch_of(config), dist.world_size
+    seq_len = getattr(train, "max_length", None) or arch.n_positions
+    p = make_plan(arch, config.vocab_size, seq_len, train.micro_batch_size, world, gpus_per_node=dist.nproc_per_node,
+                  config=config, lora=train.lora,
+                  lc=long_context(cfg, section, 1, seq_len, train.micro_batch_size, config.vocab_size, arch.n_embd))
+    teacher = 0.0
+    if teacher_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        t_config = AutoConfig.from_pretrained(teacher_dir, trust_remote_code=cfg.model.trust_remote_code)
+        with torch.device("meta"):
+            n = parameter_counts(AutoModelForCausalLM.from_config(t_config))[0]
+        teacher = 2 * n / (world if dist.zero_stage == 3 else 1)
+    need = p.gpu_bytes(dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing) + teacher
+    if torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(0).total_memory / GiB
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / dist.nproc_per_node
+        except (ValueError, OSError):
+            return None
+    if need <= memory * GiB:
+        return None
+    line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world, None)
+    return (f"the planner ({p.n_params / 1e9:.2f}B parameters): {line}"
+            f"{f', and the teacher {teacher / GiB:.1f} GiB' if teacher >= 0.05 * GiB else ''}; {need / GiB:.1f} GiB a "
+            "device, "
+            f"over the {memory:.1f} GiB each has")

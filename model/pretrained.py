@@ -291,12 +291,41 @@ def stop_tokens_of(model) -> list[int]:
 
 
 def roles(cfg) -> list[tuple[str, str, str]]:
-    """(key, model name, kind for `check_model`) of each model the config names for a role beside the policy."""
+    """(key, model name, kind for `check_model`) of each model the config names for a role beside the policy (a
+    distill teacher or student that names a model, not a stage of the run, among them)."""
+    from gptforge.core.registry import named_stage, setting
+
     pc = cfg.preference
     named = [("reward.pretrained", cfg.reward.pretrained, "any"), ("preference.reference", pc.reference, "causal-lm"),
              ("preference.reward_model", pc.reward_model, "sequence-classifier"),
              ("preference.ppo.critic", pc.ppo.critic, "any")]
+    if cfg.distill.enabled:
+        named += [(key, setting(cfg, key), "causal-lm")
+                  for key in ("distill.teacher", "distill.student") if named_stage(cfg, key) is None]
     return [(key, name, kind) for key, name, kind in named if name]
+
+
+def check_same_tokenizer(student_dir: Path, teacher_dir: Path, key: str) -> None:
+    """One error line naming both tokenizers where a teacher's vocabulary (`key` names it) is not its student's."""
+    from transformers import AutoTokenizer
+
+    student, teacher = AutoTokenizer.from_pretrained(student_dir), AutoTokenizer.from_pretrained(teacher_dir)
+    if student.get_vocab() != teacher.get_vocab():
+        raise UserError(f"{key}: the teacher's tokenizer ({teacher_dir}, {len(teacher)} tokens) is not the "
+                        f"student's ({student_dir}, {len(student)} tokens); on-policy distillation here compares "
+                        "their next-token distributions token for token, so they must share one vocabulary: give a "
+                        "teacher with the student's tokenizer (docs/distill.md)")
+
+
+def stage_or_model(cfg, inputs: dict[str, Path], ref: str) -> Path:
+    """The model directory `ref` names: a stage of the run (its output's model, from `inputs`), or a config key
+    (`distill.teacher`) whose value is a stage of the run or a model (hub name or local directory)."""
+    from gptforge.core.registry import named_stage, setting
+
+    if ref in inputs:
+        return inputs[ref] / "model"
+    stage = named_stage(cfg, ref)
+    return inputs[stage] / "model" if stage else model_dir(setting(cfg, ref), None, ref)
 
 
 def modeling_modules(cfg) -> list[str]:

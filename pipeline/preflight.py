@@ -10,7 +10,8 @@ input is one `error:` line and nothing has trained.
 - the curate stage's inputs: its filters' arguments, a language model available offline, the files of
   `curate.decontaminate.extra`;
 - the named models load (`model.pretrained`, `reward.pretrained`, `preference.reward_model`, ...), their adapters
-  match something;
+  match something; a setting that names a stage (`distill.teacher`) names one of the run; a distill student given
+  as a model fits the layout, and its teacher shares its tokenizer;
 - the team's pools, gates and slots are sound;
 - every data source of every step the run may compute is there: each local file of `data.*` read (its digest,
   which the stage store needs anyway), so a missing `data.sft` or `data.prompts` fails now, not after tokenize
@@ -29,7 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from gptforge.core.config import PipelineConfig, dump_config
+from gptforge.core.config import PipelineConfig, dump_config, tokenizer_source
 from gptforge.core.errors import ConfigError
 from gptforge.data.sources import kind_of
 from gptforge.model.eval.harness import check_tasks
@@ -38,8 +39,8 @@ from gptforge.model.pretrained import check_models
 from gptforge.pipeline.launch.nodes import deepspeed_runner, launcher_of, read_hostfile, single_process
 from gptforge.pipeline.store import fingerprints, pipeline_steps
 from gptforge.pipeline.team.pools import check_team, pool_of
-from gptforge.core.declarations import STAGES
-from gptforge.core.registry import data_parallel
+from gptforge.core.declarations import STAGE_OR_MODEL, STAGES
+from gptforge.core.registry import data_parallel, named_stage, pipeline_stages
 
 CHECKED: set[tuple[str, tuple[str, ...], bool]] = set()  # checked, and not asked again since
 
@@ -63,7 +64,9 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     # sources): a declaration field that one stage alone sets would only rename this comparison
     if "curate" in selected:
         check_curate(cfg)
+    check_named_stages(cfg, steps)
     check_models(cfg)
+    check_distill(cfg)
     if team:
         check_team(cfg, steps)
     fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
@@ -86,6 +89,46 @@ def check_layout(cfg: PipelineConfig, steps: list[str]) -> None:
                               f"sequence_parallel={sp}: a group's rollouts a step (preference.global_batch_size over "
                               f"the {groups} data-parallel groups = {pc.global_batch_size // groups}) must hold whole "
                               "prompt groups")
+
+
+def check_named_stages(cfg: PipelineConfig, steps: list[str]) -> None:
+    """A setting that takes a stage or a model (a declaration's `named`: distill.teacher, distill.student) and names
+    a stage names one this run has."""
+    for step in steps:
+        for key in (k for k in STAGES[step].named if k in STAGE_OR_MODEL):
+            stage = named_stage(cfg, key)
+            if stage is not None and stage not in steps:
+                raise ConfigError(f"{key}={stage}: this run has no {stage} stage (its stages: "
+                                  f"{', '.join(pipeline_stages(cfg))}); add it to the run (preference.algorithm, or "
+                                  f"{stage}.enabled) or name a model (a hub name or a local directory)")
+
+
+def check_distill(cfg: PipelineConfig) -> None:
+    """What the distill stage reads that can be checked before anything runs: a student it is given as a model fits
+    the layout by the planner (with its teacher's frozen weights beside it) where the stage starts here, and the
+    teacher's tokenizer is the student's wherever both are on disk (a stage of the run has the run's: tokenizer.
+    pretrained or model.pretrained's, else the one tokenize trains, which the stage itself checks)."""
+    dc = cfg.distill
+    if not dc.enabled:
+        return
+    from gptforge.model.pretrained import check_same_tokenizer, model_dir
+
+    student = None if named_stage(cfg, "distill.student") else model_dir(dc.student, None, "distill.student")
+    teacher = None if named_stage(cfg, "distill.teacher") else model_dir(dc.teacher, None, "distill.teacher")
+    if student is not None and not cfg.run.work_pools and not cfg.run.default_work_pool:
+        from gptforge.model.plan import fits
+
+        problem = fits(cfg, dc, student, teacher, "distill")
+        if problem:
+            raise ConfigError(f"distill.student={dc.student} is larger than the layout allows: {problem}; give it "
+                              "more devices (distributed.nproc_per_node, nodes), distributed.zero_stage=3 or "
+                              "offload, a smaller micro_batch_size or max_length, or a smaller student")
+    name, revision = tokenizer_source(cfg)
+    run = model_dir(name, revision, "tokenizer.pretrained" if cfg.tokenizer.pretrained else "model.pretrained") \
+        if name else None  # the tokenizer of every stage of the run
+    ours, theirs = student or run, teacher or run
+    if ours is not None and theirs is not None and ours != theirs:
+        check_same_tokenizer(ours, theirs, f"distill.teacher={dc.teacher}")
 
 
 def check_devices(cfg: PipelineConfig, steps: list[str], here: bool = False) -> None:

@@ -41,7 +41,8 @@ def data_of(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
     if decl.data_sources is not None:  # chosen by the config (curate's)
         return decl.data_sources(cfg)
     if decl.reads == "prompts" and cfg.data.prompts.path is not None:
-        return ("prompts", "preference") if getattr(cfg.preference, step).ptx_coef else ("prompts",)
+        ptx = getattr(getattr(cfg.preference, step, None), "ptx_coef", 0)  # an online algorithm's ptx term
+        return ("prompts", "preference") if ptx else ("prompts",)
     return (decl.data,)
 MANIFEST = "manifest.json"
 

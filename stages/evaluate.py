@@ -13,7 +13,8 @@ reference answers (ROUGE-L; exact match where the answers are short; without ref
 could not be computed). After a preference stage (inputs the policy, sft, and reward where preference.rewards
 has a reward model): the preference report (gptforge.model.eval.generation.preference_report), exact match only on the
 demo's verifiable items, and each of the other rewards' accuracy for both models (with eval.samples, pass@k as
-well). With preference.environment or preference.tools, each answer of both models is an episode through the
+well). After distill: the student against where it started (`start_`) and against its teacher (`teacher_`), the
+models its declaration compares it with. With preference.environment or preference.tools, each answer of both models is an episode through the
 environment and tools (gptforge.model.rollout), the rewards reading its last turn, its trajectory and the
 environment's get_reward(). Each item's greedy answers go to `answers.jsonl`: the model's `response` beside its base's
 (`base_response`) after SFT, or beside the SFT model's (`sft_response`) with both scores after a preference stage,
@@ -33,21 +34,21 @@ from pathlib import Path
 
 import torch
 
-from gptforge.core.config import ALGORITHMS, PipelineConfig
+from gptforge.core.config import PipelineConfig
 from gptforge.data import splits
 from gptforge.model.attention import load_kwargs
 from gptforge.model.train.distributed import barrier, setup_distributed
 from gptforge.model.train.engine import frozen, inference_config, partitioned, unwrap
 from gptforge.model.eval.generation import answers, preference_report, reference_metrics, score_references
-from gptforge.model.rollout.generate import policy_and_judge, stop_ids
+from gptforge.model.rollout.generate import judge, stop_ids
 from gptforge.model import rewards
 from gptforge.model.eval.harness import check_tasks, run_harness
-from gptforge.model.pretrained import fit_embeddings, start_model
+from gptforge.model.pretrained import fit_embeddings, stage_or_model, start_model
 from gptforge.model.rollout.calls import format_of
 from gptforge.model.rollout.episode import Agent
 from gptforge.model.rollout.tools import Setup
 from gptforge.stages.entry import exit_process, main
-from gptforge.core.declarations import EVAL_OUTPUTS
+from gptforge.core.declarations import EVAL_OUTPUTS, STAGES
 
 
 
@@ -55,7 +56,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     rank, world, device = setup_distributed(cfg.distributed)
-    policy = next((s for s in ALGORITHMS if s in inputs), None)
+    evaluated = next(iter(inputs))  # an evaluation step's first input is the stage it evaluates (its declaration)
+    policy = evaluated if STAGES[f"eval-{evaluated}"].rewarded else None  # a policy, rather than an SFT model
     harness = bool(cfg.eval.harness_tasks) and (policy or "sft") in cfg.eval.harness_stages
     manager = check_tasks(cfg.eval) if harness else None
     held_out = splits.eval_set(cfg.data, policy or "sft")
@@ -92,9 +94,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         metrics = {**score_references(responses, references, scored),
                    **{f"base_{k}": v for k, v in score_references(base_responses, references, scored).items()}}
         rows = [{"response": r, "base_response": b} for r, b in zip(responses, base_responses)]
-    else:  # the policy against the SFT model: judged by the reward model, scored by the other rewards
-        _, reward_dir, _, reward_tokenizer = policy_and_judge(cfg, inputs)
-        sft = load(AutoModelForCausalLM, inputs["sft"] / "model")
+    else:  # the policy against the models its declaration names (the SFT model; distill: where it started, and its
+        # teacher): judged by the reward model, scored by the other rewards
+        reward_dir, reward_tokenizer = judge(cfg, inputs)
+        against = {name: unwrap(load(AutoModelForCausalLM, stage_or_model(cfg, inputs, ref)))
+                   for name, ref in STAGES[policy].compared_with.items()}
         reward_model = None if reward_dir is None else unwrap(load(AutoModelForSequenceClassification, reward_dir))
         checks, skipped = rewards.checks_for(cfg.preference, tokenizer, items)
         if skipped and rank == 0:
@@ -103,7 +107,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         agent = Agent(Setup.load(pc.environment, pc.tools, pc.tool_timeout_s),
                       format_of(tokenizer.chat_template, str(model_dir)), pc.max_turns, pc.max_length) \
             if pc.environment or pc.tools else None  # each answer an episode through the stage's environment
-        metrics, rows = preference_report(unwrap(model), unwrap(sft), reward_model, tokenizer, items,
+        metrics, rows = preference_report(unwrap(model), against, reward_model, tokenizer, items,
                                           cfg.eval.max_new_tokens, cfg.run.seed, verifiable=held_out.demo,
                                           reward_tokenizer=reward_tokenizer, checks=checks,
                                           samples=cfg.eval.samples, agent=agent, **split, **cache)
@@ -122,7 +126,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         metrics["unscored"] = f"{unscored} in {held_out.source}"
     if harness:
         stops = [tokenizer.decode([i]) for i in sorted(stop_ids(unwrap(model)))]
-        model = base = sft = reward_model = None  # the harness loads the exported model on this device itself
+        model = base = against = reward_model = None  # the harness loads the exported model on this device itself
         loaded.clear()
         gc.collect()
         if device.type == "cuda":

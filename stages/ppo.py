@@ -43,7 +43,7 @@ from gptforge.model import rewards
 from gptforge.model.rollout.generate import (check_same_vocabulary, policy_and_judge, reward_scores,
                                              same_vocabulary, stop_ids)
 from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.episode import Agent, write_trajectories
+from gptforge.model.rollout.episode import Agent, episode_metrics, write_trajectories
 from gptforge.model.rollout.offpolicy import mismatch, token_weights
 from gptforge.model.rollout.tools import Setup
 from gptforge.model.rollout.workers import rollout_source
@@ -61,15 +61,6 @@ from gptforge.stages.entry import exit_process, main
 # its log-probabilities' kernels (gptforge.model.train.tiling), which import TRL's utilities as they are first used;
 # imported by the warm agent before it forks the ranks (gptforge.stages.entry.preload)
 RANK_IMPORTS = ("trl.trainer.utils",)
-
-
-def episode_metrics(episodes, device) -> dict:
-    """turns_per_episode and tool_calls_per_episode (means over every rank's episodes), tool_errors (their sum)."""
-    if episodes is None:
-        return {}
-    turns, calls, errors, n = all_sum([sum(e.turns for e in episodes), sum(len(e.calls) for e in episodes),
-                                       sum(e.tool_errors for e in episodes), len(episodes)], device)
-    return {"turns_per_episode": turns / n, "tool_calls_per_episode": calls / n, "tool_errors": errors}
 
 
 def policy_logprobs(model, seqs, attention, P: int, aux: bool = False, tiles: int = 1):

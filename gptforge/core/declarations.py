@@ -51,7 +51,12 @@ class Stage:
       that runs it (`DPO`, `GRPO`, `RLOO`; it samples with its own policy unless a rollout engine samples ahead),
       None for gptforge's own loops;
     - `loss_units`: what its logged `loss` is, where not the next-token loss (nats/token);
-    - `gpus`: whether it holds the team's GPU slots (run.slots) while it runs.
+    - `gpus`: whether it holds the team's GPU slots (run.slots) while it runs;
+    - `switch`: cfg -> whether the config runs it, for a stage outside the chain tokenize -> pretrain -> sft ->
+      reward -> preference (it runs after them: distill);
+    - `compared_with`: what its evaluation step compares its model with, {name: what}: a stage of the run, or the
+      config key that names a stage or a model (gptforge.model.pretrained.stage_or_model); each one's figures are
+      logged under its name (`sft_accuracy/<label>`, `win_rate_vs_sft`, ...).
 
     How it starts:
     - `launcher`: `single` (one process, no launcher), `ranks` (every rank under distributed.launcher) or
@@ -85,6 +90,8 @@ class Stage:
     unused_inputs: dict[str, Callable[[Any], bool]] = field(default_factory=dict)
     named: tuple[str, ...] = ()
     data_sources: Callable[[Any], tuple[str, ...]] | None = None
+    switch: Callable[[Any], bool] | None = None
+    compared_with: dict[str, str] = field(default_factory=lambda: {"sft": "sft"})
 
     @property
     def evaluates(self) -> str | None:
@@ -100,8 +107,14 @@ def _curated(cfg) -> tuple[str, ...]:
                                                      if getattr(cfg.data, d).path is not None)
 
 
+def _unnamed(stage: str) -> Callable[[Any], bool]:
+    """Whether a config leaves `stage` out of distill's teacher and student (then distill does not read it)."""
+    return lambda cfg: stage not in (cfg.distill.teacher, cfg.distill.student)
+
+
 PAIRWISE = "pairwise loss (nats/pair)"  # the reward model's Bradley-Terry loss and DPO's: one number a pair
 POLICY = "policy loss (per token)"  # GRPO's and RLOO's: a policy objective, not a likelihood
+DIVERGENCE = "divergence to the teacher (nats/token)"  # distill's: distill.beta's KL or JSD per student token
 EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 
 _TRAINED = [
@@ -139,6 +152,18 @@ _TRAINED = [
           async_rollouts=True, trainer="RLOO", loss_units=POLICY,
           named=("preference.reward_model", "preference.reference")),
 ]
+# distill: a student (distill.student: sft by default, a preference stage or a model) learns toward a teacher
+# (distill.teacher: a stage of the run or a model) on its own samples of the prompts; it reads the stages they name
+NAMEABLE = tuple(s.name for s in _TRAINED if s.section in ("sft", "preference"))
+_DISTILL_MODELS = {"start": "distill.student", "teacher": "distill.teacher"}
+_TRAINED.append(Stage(
+    "distill", "distill", ("curate", *NAMEABLE), ("distill", "preference.environment", "preference.tools",
+                                                   "preference.max_turns", "preference.tool_timeout_s",
+                                                   "preference.rollout"),
+    data="preference", section="distill", reads="prompts", async_rollouts=True, loss_units=DIVERGENCE,
+    named=tuple(_DISTILL_MODELS.values()), unused_inputs={s: _unnamed(s) for s in NAMEABLE},
+    switch=lambda cfg: cfg.distill.enabled, compared_with=_DISTILL_MODELS))
+STAGE_OR_MODEL = tuple(_DISTILL_MODELS.values())  # the settings that take a stage of the run (NAMEABLE) or a model
 STAGES: dict[str, Stage] = {s.name: s for s in [
     *_TRAINED,
     # evaluation steps: one process unless eval.processes (gptforge.pipeline.launch.nodes.evaluation_on_every_rank); the
@@ -149,6 +174,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     *[Stage(f"eval-{s.name}", "evaluate", (s.name, "sft", "reward"), ("eval",), outputs=EVAL_OUTPUTS,
             launcher="single", rewarded=True, named=("preference.reward_model",))
       for s in _TRAINED if s.section == "preference"],
+    Stage("eval-distill", "evaluate", ("distill", *NAMEABLE, "reward"), ("eval",), outputs=EVAL_OUTPUTS,
+          launcher="single", rewarded=True, named=("preference.reward_model", *_DISTILL_MODELS.values()),
+          unused_inputs={s: _unnamed(s) for s in NAMEABLE}),
 ]}
 
 # What the config schema takes from the table: preference.algorithm's names, those rewarded by preference.rewards,

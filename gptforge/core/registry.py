@@ -5,7 +5,7 @@ name rather than from an upstream stage's output."""
 from __future__ import annotations
 
 from gptforge.core.config import DistributedSection, PipelineConfig, tokenizer_source
-from gptforge.core.declarations import STAGES
+from gptforge.core.declarations import NAMEABLE, STAGE_OR_MODEL, STAGES
 
 
 def data_parallel(dist: DistributedSection, step: str) -> int:
@@ -27,7 +27,22 @@ def pipeline_stages(cfg: PipelineConfig) -> list[str]:
         names.append("reward")
     if cfg.preference.enabled:
         names.extend(cfg.preference.algorithms())
+    names.extend(s.name for s in STAGES.values() if s.switch is not None and s.switch(cfg))
     return names
+
+
+def setting(cfg: PipelineConfig, key: str):
+    """The value of a dotted config key (`distill.teacher`)."""
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def named_stage(cfg: PipelineConfig, key: str) -> str | None:
+    """The stage of the run that the setting `key` (one of a declaration's `named`) names, else None (a model)."""
+    value = setting(cfg, key)
+    return value if value in NAMEABLE else None
 
 
 def named_models(cfg: PipelineConfig, step: str) -> dict[str, tuple[str, str | None]]:
@@ -46,4 +61,7 @@ def named_models(cfg: PipelineConfig, step: str) -> dict[str, tuple[str, str | N
         out["preference.reference"] = (pc.reference, None)
     if "preference.ppo.critic" in named and pc.ppo.critic:
         out["preference.ppo.critic"] = (pc.ppo.critic, None)
+    for key in (k for k in named if k in STAGE_OR_MODEL):  # a stage of the run is an input, not a named model
+        if (value := setting(cfg, key)) and named_stage(cfg, key) is None:
+            out[key] = (value, None)
     return out

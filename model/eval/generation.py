@@ -118,37 +118,40 @@ def standard_error(values: list[float]) -> float:
     return (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
 
 
-def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
+def preference_report(policy, against, reward_model, tokenizer, items: list[dict], max_new_tokens: int,
                       seed: int = 0, batch_size: int = 64, rank: int = 0, world: int = 1,
                       synced: bool = False, verifiable: bool = True,
                       reward_tokenizer=None, cache: str = "full", checks: list | None = None,
                       samples: int = 0, agent=None) -> tuple[dict, list[dict]]:
-    """Held-out metrics of a preference stage: the reward model's mean score of the policy's answers and of the
-    SFT model's, its win rate of the policy against the SFT model (ties count half), KL(policy || SFT) estimated on
-    samples from the policy (nats per response, with the standard error of that mean: a single-sample estimate, it
-    can come out slightly negative where the two models are close), and on `verifiable` items (the demo's) the
-    exact match of both (`reward_tokenizer`: the reward model's, where it is not the policy's);
-    and each item's row: the policy's and the SFT model's greedy answers and their scores. Each of `checks`
-    (gptforge.model.rewards, the rewards but the reward model)
-    scores both models' greedy answers (accuracy/<label>, sft_accuracy/<label>) and, with `samples`, `samples`
-    sampled answers of each (pass@<samples>/<label>: a positive reward among them). Without a reward model the
-    checks' weighed total is the score. Batched; each rank takes its share of the batches (`shares`), every rank
-    gets the report; `synced`: the models are partitioned (ZeRO-3). With an `agent` (the stage's environment and
-    tools), each answer, greedy or sampled, is an episode through it (`agent_answers`): the rewards read its last
-    turn and its trajectory, the rows keep the trajectories, and tool_calls_per_episode counts the calls of both
-    models; the KL stays that of single responses to the prompts."""
+    """Held-out metrics of a policy against the models it is compared with (`against`: {name: model}, or one model,
+    the SFT model, named `sft`): the reward model's mean score of the policy's answers and of each other's
+    (`<name>_reward_mean`), its win rate of the policy against each (`win_rate_vs_<name>`, ties count half),
+    KL(policy || the first of them) estimated on samples from the policy (nats per response, `kl`, with the
+    standard error of that mean: a single-sample estimate, it can come out slightly negative where the two models are
+    close; `kl_<name>` against each of the others), and on `verifiable` items (the demo's) the exact match of each
+    (`reward_tokenizer`: the reward model's, where it is not the policy's); and each item's row: every model's
+    greedy answer and its score (`response`, `<name>_response`, ...). Each of `checks` (gptforge.model.rewards, the
+    rewards but the reward model) scores every model's greedy answers (accuracy/<label>, <name>_accuracy/<label>)
+    and, with `samples`, `samples` sampled answers of each (pass@<samples>/<label>: a positive reward among them).
+    Without a reward model the checks' weighed total is the score. Batched; each rank takes its share of the
+    batches (`shares`), every rank gets the report; `synced`: the models are partitioned (ZeRO-3). With an `agent`
+    (the stage's environment and tools), each answer, greedy or sampled, is an episode through it
+    (`agent_answers`): the rewards read its last turn and its trajectory, the rows keep the trajectories, and
+    tool_calls_per_episode counts the calls of every model; the KL stays that of single responses to the prompts."""
+    against = against if isinstance(against, dict) else {"sft": against}
     checks, records = checks or [], []
-    models = (("policy", policy), ("sft", sft))
+    models = {"policy": policy, **against}
+    prefix = {name: "" if name == "policy" else f"{name}_" for name in models}
     for share in shares(len(items), batch_size, rank, world):
         batch = [items[i] for i in share or range(1)]  # None: a pass in step with the other ranks, discarded
         prompts, truth, columns = [it["prompt"] for it in batch], [it["answer"] for it in batch], columns_of(batch)
         if agent is None:
             answers = {name: generate(model, tokenizer, prompts, max_new_tokens, batch_size, synced=synced,
-                                      **kv_cache(cache)) for name, model in models}
-            extra = {name: {} for name, _ in models}
+                                      **kv_cache(cache)) for name, model in models.items()}
+            extra = {name: {} for name in models}
         else:
             answers, extra, calls = {}, {}, {}
-            for name, model in models:
+            for name, model in models.items():
                 answers[name], extra[name], calls[name] = agent_answers(agent, model, tokenizer, batch, max_new_tokens,
                                                                         synced)
         checked = {name: {r.label: r(prompts, answers[name], truth, columns | extra[name]) for r in checks}
@@ -159,36 +162,43 @@ def preference_report(policy, sft, reward_model, tokenizer, items: list[dict], m
                   for name in answers}
         passed = {name: passes(model, tokenizer, batch, [r for r in checks if r.passes], samples, max_new_tokens,
                                seed + 1 + (share or range(1))[0], batch_size, synced, agent)
-                  for name, model in models} if samples else {}
+                  for name, model in models.items()} if samples else {}
         drawn = sample_responses(policy, tokenizer, prompts, max_new_tokens, seed + (share or range(1))[0], synced)
-        kl = [a - b for a, b in zip(response_logprobs(policy, tokenizer, prompts, drawn, batch_size),
-                                    response_logprobs(sft, tokenizer, prompts, drawn, batch_size))]
-        records += [(i, {"answer": answers["policy"][j], "sft_answer": answers["sft"][j], "score": scores["policy"][j],
-                         "sft_score": scores["sft"][j], "kl": kl[j],
-                         **{f"{prefix}accuracy/{label}": values[j] for name, prefix in (("policy", ""), ("sft", "sft_"))
+        mine = response_logprobs(policy, tokenizer, prompts, drawn, batch_size)
+        kl = {name: [a - b for a, b in zip(mine, response_logprobs(model, tokenizer, prompts, drawn, batch_size))]
+              for name, model in against.items()}
+        records += [(i, {**{f"{prefix[name]}answer": answers[name][j] for name in models},
+                         **{f"{prefix[name]}score": scores[name][j] for name in models},
+                         **{f"kl/{name}": kl[name][j] for name in against},
+                         **{f"{prefix[name]}accuracy/{label}": values[j] for name in models
                             for label, values in checked[name].items()},
-                         **{f"{prefix}pass@{samples}/{label}": values[j] for name, prefix in (("policy", ""),
-                                                                                             ("sft", "sft_"))
+                         **{f"{prefix[name]}pass@{samples}/{label}": values[j] for name in models
                             for label, values in passed.get(name, {}).items()},
-                         **({"messages": extra["policy"]["messages"][j], "sft_messages": extra["sft"]["messages"][j],
-                             "tool_calls": calls["policy"][j], "sft_tool_calls": calls["sft"][j]}
+                         **({f"{prefix[name]}{k}": v for name in models
+                             for k, v in (("messages", extra[name]["messages"][j]), ("tool_calls", calls[name][j]))}
                             if agent is not None else {})})
                     for j, i in enumerate(share or [])]
     rows = gather_items(records, world)
     col = {key: [r[key] for r in rows] for key in rows[0]}
-    report = {"win_rate_vs_sft": win_rate(col["answer"], col["sft_answer"], col["score"], col["sft_score"]),
-              "reward_mean": sum(col["score"]) / len(items), "sft_reward_mean": sum(col["sft_score"]) / len(items),
-              "kl": sum(col["kl"]) / len(items), "kl_stderr": standard_error(col["kl"])}
+    report = {"reward_mean": sum(col["score"]) / len(items)}
+    for k, name in enumerate(against):
+        kl_key = "kl" if k == 0 else f"kl_{name}"
+        report |= {f"win_rate_vs_{name}": win_rate(col["answer"], col[f"{name}_answer"], col["score"],
+                                                   col[f"{name}_score"]),
+                   f"{name}_reward_mean": sum(col[f"{name}_score"]) / len(items),
+                   kl_key: sum(col[f"kl/{name}"]) / len(items), f"{kl_key}_stderr": standard_error(col[f"kl/{name}"])}
     report |= {key: sum(values) / len(items) for key, values in col.items() if "accuracy/" in key or "pass@" in key}
     if agent is not None:
-        report |= {"tool_calls_per_episode": sum(col["tool_calls"]) / len(items),
-                   "sft_tool_calls_per_episode": sum(col["sft_tool_calls"]) / len(items)}
+        report |= {f"{prefix[name]}tool_calls_per_episode": sum(col[f"{prefix[name]}tool_calls"]) / len(items)
+                   for name in models}
     if verifiable:
         truth = [it["answer"] for it in items]
-        report |= {"exact_match": score_references(col["answer"], truth, ["exact_match"])["exact_match"],
-                   "sft_exact_match": score_references(col["sft_answer"], truth, ["exact_match"])["exact_match"]}
-    return report, [{"response": r["answer"], "sft_response": r["sft_answer"], "score": r["score"],
-                     "sft_score": r["sft_score"], **{k: r[k] for k in ("messages", "sft_messages") if k in r}}
+        report |= {f"{prefix[name]}exact_match": score_references(col[f"{prefix[name]}answer"], truth,
+                                                                  ["exact_match"])["exact_match"] for name in models}
+    return report, [{**{f"{prefix[name]}response": r[f"{prefix[name]}answer"] for name in models},
+                     **{f"{prefix[name]}score": r[f"{prefix[name]}score"] for name in models},
+                     **{f"{prefix[name]}messages": r[f"{prefix[name]}messages"] for name in models
+                        if f"{prefix[name]}messages" in r}}
                     for r in rows]
 
 

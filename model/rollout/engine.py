@@ -13,11 +13,17 @@ rewards and the loss. So an inference server plugs in by implementing three thin
         def generate(self, sequences: list[list[int]], budgets: list[int], max_new_tokens: int,
                      temperature: float, top_k: int, top_p: float) -> list[Turn]: ...
         def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+        def score(self, seqs, attention, P: int, top_k: int) -> Scores: ...   # a teacher (distill) only
 
 `preference.rollout.engine: package.module:MyEngine` names it; `hf`, transformers' own `generate` over the
 policy's Hugging Face model, is built in and runs on the CPU. A vLLM engine is the same three methods over
 `LLM.generate(prompt_token_ids=..., SamplingParams(logprobs=0))` and `llm.collective_rpc("load_weights", ...)`
 (docs/rollouts.md).
+
+A teacher scores through the same seam (`distill.teacher_engine`): `score` takes a batch of rollouts in their
+layout (gptforge.model.rollout.sampling.Rollouts: prompts left-padded to P, responses after them) and returns, for
+each response token, the teacher's log-probability of it and its distribution there: whole, or its `top_k` most
+likely tokens, which is what a served teacher returns (vLLM: `prompt_logprobs=top_k` on the whole sequence).
 
 A sampled token's log-probability is log softmax of the model's raw logits (temperature 1, no top-k or top-p), as
 the trainer computes it: the ratio of the two is then the mismatch of the engines alone (different kernels, a KV
@@ -30,11 +36,22 @@ import importlib
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from gptforge.core.errors import UserError
+from gptforge.data.chat import positions
 from gptforge.model.rollout.generate import Turn, id_sampler
+
+
+@dataclass
+class Scores:
+    """A teacher's view of a batch of responses (B rows, R response tokens)."""
+
+    sampled: torch.Tensor  # (B, R): log-probability of each response token
+    logprobs: torch.Tensor  # (B, R, K): the distribution before each response token, over `ids` (K = the vocabulary
+    ids: torch.Tensor | None = None  # where None), or over these (B, R, K) token ids (its top k)
 
 
 class HFEngine:
@@ -66,6 +83,19 @@ class HFEngine:
         return sample(sequences, budgets)
 
     @torch.no_grad()
+    def score(self, seqs: torch.Tensor, attention: torch.Tensor, P: int, top_k: int = 0) -> Scores:
+        """The model's log-probabilities of the responses after P and its distributions there (whole, or the top_k
+        most likely tokens). A forward without a KV cache, in step on every rank where the model is partitioned."""
+        out = self.model(input_ids=seqs, attention_mask=attention, position_ids=positions(attention),
+                         use_cache=False)
+        logp = torch.log_softmax(out.logits[:, P - 1:-1].float(), -1)
+        sampled = logp.gather(-1, seqs[:, P:, None])[..., 0]
+        if not top_k:
+            return Scores(sampled, logp)
+        top = logp.topk(min(top_k, logp.size(-1)), -1)
+        return Scores(sampled, top.values, top.indices)
+
+    @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())
         for name, tensor in named:
@@ -74,8 +104,9 @@ class HFEngine:
             params[name].copy_(tensor)
 
 
-def engine_class(spec: str):
-    """The class `preference.rollout.engine` names: hf, or package.module:Class."""
+def engine_class(spec: str, key: str = "preference.rollout.engine", needs: tuple[str, ...] = ("generate",
+                                                                                                 "load_weights")):
+    """The class the setting `key` names: hf, or package.module:Class with the methods `needs`."""
     if spec == "hf":
         return HFEngine
     module, _, name = spec.partition(":")
@@ -84,12 +115,12 @@ def engine_class(spec: str):
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise UserError(f"preference.rollout.engine={spec}: cannot import it ({type(e).__name__}: {e}); give hf or "
+        raise UserError(f"{key}={spec}: cannot import it ({type(e).__name__}: {e}); give hf or "
                         "package.module:Class") from None
-    for method in ("generate", "load_weights"):
+    for method in needs:
         if not callable(getattr(cls, method, None)):
-            raise UserError(f"preference.rollout.engine={spec}: it has no {method}() (gptforge.model.rollout.engine "
-                            "says what an engine implements)")
+            raise UserError(f"{key}={spec}: it has no {method}() (gptforge.model.rollout.engine says what an engine "
+                            "implements)")
     return cls
 
 

@@ -230,3 +230,14 @@ def write_trajectories(folder: Path, step: int, episodes, total: list[float], ea
     tmp = folder / f"step-{step:08d}.jsonl.part"
     tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
     tmp.replace(folder / f"step-{step:08d}.jsonl")
+
+
+def episode_metrics(episodes: list[Episode] | None, device) -> dict:
+    """turns_per_episode and tool_calls_per_episode (means over every rank's episodes), tool_errors (their sum)."""
+    if episodes is None:
+        return {}
+    from gptforge.model.train.distributed import all_sum
+
+    turns, calls, errors, n = all_sum([sum(e.turns for e in episodes), sum(len(e.calls) for e in episodes),
+                                       sum(e.tool_errors for e in episodes), len(episodes)], device)
+    return {"turns_per_episode": turns / n, "tool_calls_per_episode": calls / n, "tool_errors": errors}

@@ -192,21 +192,30 @@ def check_same_vocabulary(a, b, what: str) -> None:
                         "the policy, reference and reward model must share one tokenizer")
 
 
+def judge(cfg, inputs: dict[str, Path]):
+    """The reward model dir (the reward stage's, or preference.reward_model; None where preference.rewards has none)
+    and its tokenizer, ready to read responses as text through its own chat template."""
+    from transformers import AutoTokenizer
+
+    from gptforge.model.pretrained import prepare_tokenizer, reward_model_dir
+
+    reward_dir = reward_model_dir(cfg, inputs)
+    if reward_dir is None:
+        return None, None
+    reward_tokenizer = AutoTokenizer.from_pretrained(reward_dir)
+    prepare_tokenizer(reward_tokenizer, grow=False)  # a ready reward model may have no template or pad of its own
+    return reward_dir, reward_tokenizer
+
+
 def policy_and_judge(cfg, inputs: dict[str, Path]):
     """The SFT model dir, the reward model dir (the reward stage's, or preference.reward_model; None where
     preference.rewards has none) and their tokenizers. They need not share a vocabulary: the reward model reads each
     response as text, through its own chat template (as veRL bridges a policy and a reward model)."""
     from transformers import AutoTokenizer
 
-    from gptforge.model.pretrained import prepare_tokenizer, reward_model_dir
-
-    sft_dir, reward_dir = inputs["sft"] / "model", reward_model_dir(cfg, inputs)
-    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    if reward_dir is None:
-        return sft_dir, None, tokenizer, None
-    reward_tokenizer = AutoTokenizer.from_pretrained(reward_dir)
-    prepare_tokenizer(reward_tokenizer, grow=False)  # a ready reward model may have no template or pad of its own
-    return sft_dir, reward_dir, tokenizer, reward_tokenizer
+    sft_dir = inputs["sft"] / "model"
+    reward_dir, reward_tokenizer = judge(cfg, inputs)
+    return sft_dir, reward_dir, AutoTokenizer.from_pretrained(sft_dir), reward_tokenizer
 
 
 def same_vocabulary(a, b) -> bool:

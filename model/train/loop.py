@@ -15,7 +15,8 @@ scaffold rather than written three times):
         loop.save()                                      # every save_every steps
     metrics = loop.finish(tokenizer, cfg.model.shard_bytes)
 
-PPO keeps a loop of its own (rollouts, then several epochs over them) and uses the guard directly.
+PPO keeps a loop of its own (rollouts, then several epochs over them) and uses the guard directly; distill takes a
+step's rollouts first and gives each micro-batch of them to `backward`.
 """
 
 from __future__ import annotations
@@ -111,13 +112,14 @@ class TrainLoop:
         if self.rank == 0:
             tqdm.write(step_line(self.step, self.train_loss, lr, tps, mfu.get("mfu", False)), file=sys.stderr)
 
-    def save(self, **state) -> None:
+    def save(self, rank_state: Callable[[], dict] | None = None, **state) -> None:
         """A step checkpoint every save_every steps (not at the last: the export follows): the engine, the data
-        order, the guard's counts and the stage's own `state`."""
+        order, the guard's counts and the stage's own `state` (`rank_state()`: each rank's own, asked only then)."""
         if self.step % self.section.save_every == 0 and self.step < self.section.max_steps:
             save_step({"model": self.engine}, self.ckpt_root, self.step,
                       {"step": self.step, "loader": self.order.state_dict(), **state,
-                       "guard": self.guard.state_dict()}, self.rank, self.world, self.section.keep_last)
+                       "guard": self.guard.state_dict()}, self.rank, self.world, self.section.keep_last,
+                      rank_state() if rank_state else None)
 
     def finish(self, tokenizer, out_dir: Path, shard_bytes: int) -> dict:
         """Export the model to `out_dir/model` (every rank takes part: ZeRO-3 gathers) and return the metrics every

@@ -6,6 +6,8 @@ because TRL removed its PPO trainer and with it these helpers; DPO, GRPO and RLO
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -114,3 +116,28 @@ class AdaptiveKLController:
             return
         error = min(max(kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + error * n_steps / self.horizon
+
+
+# --- distillation (Agarwal et al. 2024, GKD; TRL's beta convention) --------------------------------------------
+
+
+def on_support(student_logp: torch.Tensor, teacher_logp: torch.Tensor, ids: torch.Tensor | None):
+    """Both log-distributions over the teacher's support: the whole vocabulary (`ids` None: (..., V) each, already
+    normalised), or the k tokens `ids` (..., K) of the teacher's top k, the student's gathered there and both
+    renormalised over them (what a served teacher's top-k log-probabilities allow)."""
+    if ids is None:
+        return student_logp, teacher_logp
+    return torch.log_softmax(student_logp.gather(-1, ids), -1), torch.log_softmax(teacher_logp, -1)
+
+
+def generalized_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per position, the divergence between two log-distributions over the last dimension, in TRL's convention: beta
+    0 the forward KL(teacher || student), 1 the reverse KL(student || teacher), between them the generalised JSD
+    beta * KL(teacher || m) + (1 - beta) * KL(student || m), m = beta * teacher + (1 - beta) * student. (...,)."""
+    s, t = student_logp.float(), teacher_logp.float()
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), 0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)

@@ -72,6 +72,11 @@ NAMES = {
     "mismatch/ratio_p95": "95th percentile of pi_train / pi_sampling over the policy tokens",
     "mismatch/capped": "share of policy tokens whose ratio preference.rollout.tis_cap capped",
     "mismatch/masked": "share of policy tokens outside preference.rollout.icepop_band, left out of the loss",
+    "distill_kl": "distill: KL(student || teacher) per student token over the teacher's support (whole vocabulary "
+                  "or its top k), whatever distill.beta",
+    "teacher_logp": "distill: mean log-probability of the student's sampled tokens under the teacher (nats/token)",
+    "teacher_scored_tokens": "distill: the student's sampled tokens the teacher scored over the whole run",
+    "student_logp": "distill: mean log-probability of the student's sampled tokens under the student (nats/token)",
     "bad_steps": "steps skipped: NaN/Inf loss, reward or gradient norm, or a loss spike (model/train/guard.py)",
     "rollbacks": "returns to the newest valid checkpoint after max_bad_steps bad steps in a row",
     # held-out evaluation of a finished output
@@ -85,6 +90,16 @@ NAMES = {
     "unscored": "the reference-based metrics the evaluation data could not give, and why",
     "win_rate_vs_sft": "share of held-out prompts where the reward model prefers the policy's answer to the SFT "
                        "model's (ties count half)",
+    "start_reward_mean": "distill: sft_reward_mean of the model the student started from",
+    "teacher_reward_mean": "distill: sft_reward_mean of the teacher",
+    "start_exact_match": "distill: exact_match of the model the student started from",
+    "teacher_exact_match": "distill: exact_match of the teacher",
+    "win_rate_vs_start": "distill: win_rate_vs_sft against the model the student started from",
+    "win_rate_vs_teacher": "distill: win_rate_vs_sft against the teacher",
+    "kl_teacher": "distill: KL(student || teacher) in nats per response, on held-out samples of the student",
+    "kl_teacher_stderr": "standard error of the held-out kl_teacher estimate",
+    "start_tool_calls_per_episode": "distill, held out: mean tool calls in an episode of the model it started from",
+    "teacher_tool_calls_per_episode": "distill, held out: mean tool calls in an episode of the teacher",
     "eval_items": "held-out items evaluated",
     # data
     "vocab_size": "tokens in the vocabulary, special tokens included",
@@ -118,6 +133,11 @@ FAMILIES = {
     "sft_accuracy/": "sft_accuracy/<label>: the same over the SFT model's greedy answers",
     "pass@": "pass@<k>/<label>: held-out share of prompts with a positive reward among k sampled answers",
     "sft_pass@": "sft_pass@<k>/<label>: the same for the SFT model",
+    "start_accuracy/": "distill: start_accuracy/<label>, the same over the greedy answers of the model the student "
+                       "started from",
+    "teacher_accuracy/": "distill: teacher_accuracy/<label>, the same over the teacher's",
+    "start_pass@": "distill: start_pass@<k>/<label>, pass@k of the model the student started from",
+    "teacher_pass@": "distill: teacher_pass@<k>/<label>, pass@k of the teacher",
     "removed/": "removed/<reason>: documents the curate stage removed for that reason (exact_duplicate, "
                 "near_duplicate, contaminated, language, or a quality filter's name)",
     "sft/": "sft/<name>: the curate stage's funnel over data.sft's training rows (documents_in, documents_kept, "

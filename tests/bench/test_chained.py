@@ -56,3 +56,18 @@ def test_async_rl_bench(chain, tmp_path):
     work = dict(re.findall(r"^work: ppo (sync|async): (.*)$", out, re.M))  # a ratio of the same work
     assert work["sync"] == work["async"] == "[4] steps, [4] updates", out
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_distill_bench(chain, tmp_path):
+    """bench/distill.py on the session chain's store (tokenize and pretrain reused): GRPO 4 steps as the teacher,
+    on-policy and off-policy distillation at 1 and 2 steps, and a half-size student; every row of the table, the
+    same teacher-scored tokens for both kinds of distillation within their responses' lengths, and the plot."""
+    copy_store(chain["root"], tmp_path, *UPSTREAM)
+    out = bench("distill.py", "--seeds", "0", "--root", str(tmp_path), "--problems", "200", "--demonstrations", "200",
+                "--steps", "1", "2", *sets([*CHAINED, "preference.max_steps=4", "eval.items=20"]))
+    for row in ("sft | 0", "grpo | 4", "on-policy 1 | 1", "on-policy 2 | 2", "off-policy 1 | 1", "off-policy 2 | 2",
+                "small sft | 0", "small distilled | 2"):
+        assert re.search(rf"^\| {row} \| [\d.]+ \| [\d.]+ ± nan \| (-?\d+|nan)% \|$", out, re.M), (row, out)
+    scored = dict(re.findall(r"^teacher-scored tokens, (.+): (\d+) a seed$", out, re.M))
+    assert 0 < int(scored["on-policy 2"]) <= 2 * 64 * 8 and 0 < int(scored["off-policy 2"]) <= 2 * 64 * 8, out
+    assert (tmp_path / "distill.png").stat().st_size > 0

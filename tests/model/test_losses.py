@@ -87,3 +87,27 @@ def test_adaptive_kl_controller_by_hand():
     fixed = AdaptiveKLController(0.1, target=None, horizon=10000)
     fixed.update(100.0, 256)
     assert fixed.value == 0.1
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_generalized_jsd_is_trls_divergence_and_top_k_renormalises(beta):
+    """The divergence of each beta (TRL's convention: 0 forward KL, 1 reverse KL) equals TRL's own
+    ChunkedDivergenceFunction's on the same logits; by hand at the ends; over the teacher's top k, both
+    distributions renormalised there."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    from gptforge.model.train.losses import generalized_jsd, on_support
+
+    torch.manual_seed(0)
+    hs, ht, ws, wt = torch.randn(6, 8), torch.randn(6, 8), torch.randn(11, 8), torch.randn(11, 8)
+    s, t = torch.log_softmax(hs @ ws.T, -1), torch.log_softmax(ht @ wt.T, -1)
+    theirs, _ = ChunkedDivergenceFunction.apply(hs, ws, None, ht, wt, None, beta)
+    assert generalized_jsd(s, t, beta) == pytest.approx(theirs.tolist(), abs=1e-5)
+    forward, reverse = (t.exp() * (t - s)).sum(-1), (s.exp() * (s - t)).sum(-1)
+    assert generalized_jsd(s, t, 0.0) == pytest.approx(forward.tolist(), abs=1e-6)
+    assert generalized_jsd(s, t, 1.0) == pytest.approx(reverse.tolist(), abs=1e-6)
+    top = t.topk(3, -1)
+    s3, t3 = on_support(s, top.values, top.indices)
+    assert s3.exp().sum(-1) == pytest.approx([1.0] * 6) and t3.exp().sum(-1) == pytest.approx([1.0] * 6)
+    assert s3 == pytest.approx(torch.log_softmax(s.gather(-1, top.indices), -1))
+    assert on_support(s, t, None) == (s, t)

@@ -37,6 +37,11 @@ STEPS = [
 ]
 
 
+DISTILL = ["distill.enabled=true", "distill.teacher=grpo", "distill.max_steps=7", "distill.lr=1e-3",
+           "distill.warmup_steps=0", "distill.global_batch_size=16", "distill.micro_batch_size=8",
+           "distill.log_every=1", "distill.save_every=100"]
+
+
 def question(n: int) -> str:
     return f"What number comes after {n}"
 
@@ -103,6 +108,10 @@ def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, m
         run_stage(cfg, path, "sft")
         _, grpo_dir, _ = run_stage(cfg, path, "grpo")  # TRL's GRPOTrainer, no tools: not the agentic rollout_func
         grpo = run_stage(cfg, path, "eval-grpo")[0]["metrics"]
+        # on-policy distillation of the SFT model toward the GRPO policy, in a quarter of GRPO's steps
+        cfg, path = config(tmp_path / "runs", *common, "preference.rewards=[{name: math_equal}]", *DISTILL)
+        distill_manifest, distill_dir, _ = run_stage(cfg, path, "distill")
+        distilled = run_stage(cfg, path, "eval-distill")[0]["metrics"]
         cfg, path = config(tmp_path / "runs", *common, f"preference.rewards={json.dumps(rewards)}")
         ppo_manifest, ppo_dir, _ = run_stage(cfg, path, "ppo")  # the same SFT: rewards are not in its fingerprint
         ppo, eval_dir, _ = run_stage(cfg, path, "eval-ppo")
@@ -114,6 +123,13 @@ def test_grpo_and_ppo_rewarded_by_math_equal_raise_held_out_accuracy(tmp_path, m
     assert logged(grpo_dir, "rewards/math_equal") == pytest.approx(logged(grpo_dir, "reward_mean"), abs=1e-6)
     assert grpo["sft_accuracy/math_equal"] == ppo["metrics"]["sft_accuracy/math_equal"] <= 0.5
     assert grpo["accuracy/math_equal"] >= grpo["sft_accuracy/math_equal"] + 0.25
+    # distill: the student, from the same SFT model, learnt toward its teacher on its own samples (bench/distill.py:
+    # 3 seeds, against GRPO's steps and off-policy distillation); its teacher's greedy answers are GRPO's own
+    assert distilled["teacher_accuracy/math_equal"] == grpo["accuracy/math_equal"]
+    assert distilled["start_accuracy/math_equal"] == grpo["sft_accuracy/math_equal"]
+    assert distilled["accuracy/math_equal"] >= distilled["start_accuracy/math_equal"] + 0.25
+    assert distill_manifest["metrics"]["global_step"] == 7 and len(logged(distill_dir, "distill_kl")) == 7  # < 30/4
+    # (here 0.15 -> 0.70 in 7 steps, the teacher 0.65 after 30)
 
     # the held-out accuracy is math_equal on the greedy answers the evaluation wrote, against the file's #### answers
     rows = [json.loads(line) for line in (eval_dir / "answers.jsonl").read_text().splitlines()]

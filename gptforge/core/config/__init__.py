@@ -27,8 +27,8 @@ from gptforge.core.config.inputs import (DataSection, DemoSection, EvalSourceSec
 from gptforge.core.config.model_layout import (ATTENTION, DistributedSection, LoraSection,  # noqa: F401
                                                ModelSection, RopeSection)
 from gptforge.core.config.training import (CURATE_FILTERS, REWARD_BUILT_IN, CurateSection,  # noqa: F401
-                                           DPOSection, EvalSection, GRPOSection, OnlineSection, PPOSection,
-                                           PreferenceSection, PretrainSection, RewardSection, RewardSpec,
+                                           DistillSection, DPOSection, EvalSection, GRPOSection, OnlineSection,
+                                           PPOSection, PreferenceSection, PretrainSection, RewardSection, RewardSpec,
                                            RLOOSection, SFTSection, TrainSection)
 from gptforge.core.declarations import TRAINED_SECTIONS, ULYSSES_SPLITS
 from gptforge.core.errors import ConfigError
@@ -47,6 +47,8 @@ class PipelineConfig(Section):
     sft: SFTSection = Setting(default_factory=SFTSection, description="Supervised fine-tuning.")
     reward: RewardSection = Setting(default_factory=RewardSection, description="Reward model.")
     preference: PreferenceSection = Setting(default_factory=PreferenceSection, description="Alignment.")
+    distill: DistillSection = Setting(default_factory=DistillSection, description="On-policy distillation of a "
+                                      "student toward a teacher (off by default).")
     eval: EvalSection = Setting(default_factory=EvalSection, description="Held-out evaluation of finished outputs.")
 
     def trains_reward_model(self) -> bool:

@@ -75,14 +75,19 @@ class DPOSection(Section):
                                          "list combined with equal weights ([sigmoid, sft] is RPO).")
 
 
-class OnlineSection(Section):
-    """What each online algorithm (ppo, grpo, rloo) sets for itself: rollouts and the supervised ptx term (their
-    rewards are preference.rewards, shared)."""
+class SamplingSection(Section):
+    """How a stage that learns on its own samples draws them (gptforge.model.rollout.sampling)."""
 
     max_new_tokens: int = Setting(8, ge=1, description="Response length of on-policy sampling, in tokens.")
     temperature: float = Setting(1.0, gt=0, description="Sampling temperature of rollouts.")
     top_k: int = Setting(0, ge=0, description="Top-k of rollouts (0 disables).")
     top_p: float = Setting(1.0, gt=0, le=1, description="Top-p of rollouts.")
+
+
+class OnlineSection(SamplingSection):
+    """What each online algorithm (ppo, grpo, rloo) sets for itself: rollouts and the supervised ptx term (their
+    rewards are preference.rewards, shared)."""
+
     ptx_coef: float = Setting(0.0, ge=0, description="Weight of the chosen responses' loss added at every update "
                               "(InstructGPT's PPO-ptx); 0 disables.")
     ptx_batch_size: int | None = Setting(None, ge=1, description="Rows of chosen responses in each update's ptx loss "
@@ -257,6 +262,37 @@ class PreferenceSection(TrainSection):
                 re.compile(self.format_pattern)
             except re.error as e:
                 raise ValueError(f"preference.format_pattern {self.format_pattern!r} is not a regex: {e}") from None
+        return self
+
+
+class DistillSection(SamplingSection, TrainSection):
+    """On-policy distillation (gptforge.stages.distill, docs/distill.md): the student samples the run's prompts
+    (data.prompts, with preference.environment and preference.tools where set, through preference.rollout) and
+    learns toward the teacher's next-token distribution at each of its own tokens."""
+
+    enabled: bool = Setting(False, same_result=True, description="Run the distill stage.")
+    teacher: str | None = Setting(None, description="The teacher: a stage of this run (sft, dpo, ppo, grpo, rloo) "
+                                  "or a model (hub name or local directory) sharing the student's tokenizer.")
+    student: str = Setting("sft", description="Where the student starts: a stage of this run (sft by default, or a "
+                           "preference stage) or a model (hub name or local directory).")
+    beta: float = Setting(1.0, ge=0, le=1, description="The divergence, in TRL's convention: 1 reverse KL(student "
+                          "|| teacher), 0 forward KL(teacher || student), between: the generalised JSD.")
+    teacher_top_k: int = Setting(0, ge=0, description="The divergence over the teacher's k most likely tokens a "
+                                 "position, both renormalised there (a served teacher's); 0: the whole vocabulary.")
+    teacher_engine: str = Setting("hf", description="What scores the samples under the teacher: hf (in the training "
+                                  "processes) or package.module:Class on gptforge.model.rollout.engine's seam.")
+    lr: float = Setting(5e-5, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Setting(0.0, ge=0, description="Learning rate at the end of cosine decay.")
+    max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response (an episode with tools).")
+
+    @model_validator(mode="after")
+    def _teacher(self):
+        if self.enabled and not self.teacher:
+            raise ValueError("distill.enabled is true but distill.teacher is not set: name a stage of this run "
+                             "(e.g. grpo) or a model (hub name or local directory)")
+        if self.teacher and self.teacher == self.student:
+            raise ValueError(f"distill.teacher and distill.student are both {self.teacher!r}: the student would "
+                             "learn toward itself")
         return self
 
 
