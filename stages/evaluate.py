@@ -13,13 +13,13 @@ reference answers (ROUGE-L; exact match where the answers are short; without ref
 could not be computed). After a preference stage (inputs the policy, sft, and reward where preference.rewards
 has a reward model): the preference report (gptforge.model.eval.generation.preference_report), exact match only on the
 demo's verifiable items, and each of the other rewards' accuracy for both models (with eval.samples, pass@k as
-well). After distill: the student against where it started (`start_`) and against its teacher (`teacher_`), the
-models its declaration compares it with. With preference.environment or preference.tools, each answer of both models is an episode through the
-environment and tools (gptforge.model.rollout), the rewards reading its last turn, its trajectory and the
-environment's get_reward(). Each item's greedy answers go to `answers.jsonl`: the model's `response` beside its base's
-(`base_response`) after SFT, or beside the SFT model's (`sft_response`) with both scores after a preference stage,
-so that every figure of the report can be recomputed from it. Then `eval.harness_tasks` through lm-evaluation-harness
-(gptforge.model.eval.harness), results in `harness/`.
+well). After distill: the student against where it started (`start_`) and against its teacher (`teacher_`),
+the models its declaration compares it with. With preference.environment or preference.tools, each answer of
+both models is an episode through the environment and tools (gptforge.model.rollout), the rewards reading its last
+turn, its trajectory and the environment's get_reward(). Each item's greedy answers go to `answers.jsonl`: the
+model's `response` beside its base's (`base_response`) after SFT, or beside the SFT model's (`sft_response`) with
+both scores after a preference stage, so that every figure of the report can be recomputed from it. Then
+`eval.harness_tasks` through lm-evaluation-harness (gptforge.model.eval.harness), results in `harness/`.
 
 Where it runs: on the CPU one process, in fp32. On GPUs (`eval.processes`) every process of the stage's layout
 takes its share of fixed batches (the results do not depend on how many there are), in bf16 where training is;
