@@ -236,13 +236,17 @@ def for_stage(cfg, tokenizer, need: int, split: str = "train") -> tuple[list[Rew
 
 
 def score(rewards: list[Reward], prompts: list, responses: list[str], answers: list, columns: dict | None = None,
-          reward_model: Callable | None = None) -> tuple[list[float], dict[str, list[float]]]:
+          reward_model: Callable | None = None, calls=None) -> tuple[list[float], dict[str, list[float]]]:
     """(the weighed total of each response, {label: each response's reward}); `reward_model(prompts, responses)`
-    scores the reward model's entry."""
-    each = {}
+    scores the reward model's entry (in this thread); the others (checks, functions, reward servers) are called at
+    once through `calls` (gptforge.model.rollout.concurrency.Concurrent) where given."""
+    others = [r for r in rewards if r.fn is not None]
+    each = dict(zip([r.label for r in others], (calls.map if calls else map)(
+        lambda r: r(prompts, responses, answers, columns), others)))
     for r in rewards:
-        each[r.label] = checked(reward_model(prompts, responses), len(responses), f"{r.key} (reward_model)") \
-            if r.fn is None else r(prompts, responses, answers, columns)
+        if r.fn is None:
+            each[r.label] = checked(reward_model(prompts, responses), len(responses), f"{r.key} (reward_model)")
+    each = {r.label: each[r.label] for r in rewards}  # in the rewards' order
     total = [sum(r.weight * each[r.label][j] for r in rewards) for j in range(len(responses))]
     return total, each
 

@@ -209,7 +209,7 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
     from gptforge.model.rollout.calls import format_of
     from gptforge.model.rollout.tools import Setup
 
-    Setup.load(pc.environment, pc.tools, pc.tool_timeout_s)
+    Setup.of(pc)
     if cfg.sft.chat_template:
         format_of(cfg.sft.chat_template, "sft.chat_template")
     elif cfg.model.pretrained:

@@ -52,9 +52,9 @@ from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import check_same_tokenizer, load_causal_lm, stage_or_model
 from gptforge.model.rollout.calls import format_of
 from gptforge.model.rollout.engine import HFEngine, engine_class
-from gptforge.model.rollout.episode import Agent, episode_metrics
+from gptforge.model.rollout.episode import agent_spec as make_spec
+from gptforge.model.rollout.episode import episode_metrics, spec_agent
 from gptforge.model.rollout.generate import stop_ids
-from gptforge.model.rollout.tools import Setup
 from gptforge.model.rollout.workers import rollout_source
 from gptforge.model.train.checkpoints import find_checkpoint
 from gptforge.model.train.distributed import all_mean, all_sum, setup_distributed
@@ -127,11 +127,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     prompts = [it["prompt"] for it in items]
     agent = agent_spec = None
     if pc.environment or pc.tools:  # each sample an episode through the stage's environment and tools
-        agent_spec = {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
-                      "fmt": format_of(tokenizer.chat_template, str(student_dir)), "max_turns": pc.max_turns,
-                      "max_length": dc.max_length}
-        agent = Agent(Setup.load(pc.environment, pc.tools, pc.tool_timeout_s), agent_spec["fmt"], pc.max_turns,
-                      dc.max_length)
+        agent_spec = make_spec(pc, format_of(tokenizer.chat_template, str(student_dir)), dc.max_length)
+        agent = spec_agent(agent_spec)
 
     hidden = AutoConfig.from_pretrained(student_dir).hidden_size
     ds_config = deepspeed_config(dist, dc, world, device, hidden)

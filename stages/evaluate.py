@@ -104,7 +104,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         if skipped and rank == 0:
             print(f"[eval] {held_out.source}: not computed: {', '.join(skipped)} (no reference answers)", flush=True)
         pc = cfg.preference
-        agent = Agent(Setup.load(pc.environment, pc.tools, pc.tool_timeout_s),
+        agent = Agent(Setup.of(pc),
                       format_of(tokenizer.chat_template, str(model_dir)), pc.max_turns, pc.max_length) \
             if pc.environment or pc.tools else None  # each answer an episode through the stage's environment
         metrics, rows = preference_report(unwrap(model), against, reward_model, tokenizer, items,

@@ -43,9 +43,10 @@ from gptforge.model import rewards
 from gptforge.model.rollout.generate import (check_same_vocabulary, policy_and_judge, reward_scores,
                                              same_vocabulary, stop_ids)
 from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.episode import Agent, episode_metrics, write_trajectories
+from gptforge.model.rollout.concurrency import Concurrent
+from gptforge.model.rollout.episode import agent_spec as make_spec
+from gptforge.model.rollout.episode import environment_rewards, episode_metrics, spec_agent, write_trajectories
 from gptforge.model.rollout.offpolicy import mismatch, token_weights
-from gptforge.model.rollout.tools import Setup
 from gptforge.model.rollout.workers import rollout_source
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.train.guard import StepGuard
@@ -124,13 +125,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     scoring, items = rewards.for_stage(cfg, tokenizer, per_rank * world)
     prompts, answers = [it["prompt"] for it in items], [it["answer"] for it in items]
     columns = rewards.columns_of(items)
+    calls = Concurrent(pc.tool_concurrency)  # the rewards' functions and servers, at once
     agent = agent_spec = None
     if pc.environment or pc.tools:
-        agent_spec = {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
-                      "fmt": format_of(tokenizer.chat_template, str(sft_dir)), "max_turns": pc.max_turns,
-                      "max_length": pc.max_length}
-        agent = Agent(Setup.load(pc.environment, pc.tools, pc.tool_timeout_s), agent_spec["fmt"], pc.max_turns,
-                      pc.max_length)
+        agent_spec = make_spec(pc, format_of(tokenizer.chat_template, str(sft_dir)), pc.max_length)
+        agent = spec_agent(agent_spec)
     ptx_rows = (ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
                            oc.ptx_rows(pc.micro_batch_size, world, 1), rank, world, cfg.run.seed)
                 if oc.ptx_coef else None)  # an update: one minibatch
@@ -214,8 +213,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 else:  # the last turn; the whole trajectory and the environment's own reward beside it
                     texts = [e.response.strip() for e in episodes]
                     cols |= {"messages": [e.messages for e in episodes],
-                             "environment_reward": [e.toolbox.reward() for e in episodes]}
-                total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids], cols, judge)
+                             "environment_reward": environment_rewards(episodes, agent.setup.calls)}
+                total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids], cols, judge, calls)
                 score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/train/guard.py)
                 per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
                 advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)

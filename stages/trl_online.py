@@ -22,6 +22,7 @@ from gptforge.model.export import export_trainer
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.model.rollout.calls import format_of
 from gptforge.model.rollout.online import rollout_trainer
+from gptforge.model.rollout.episode import agent_spec
 from gptforge.model.rollout.tools import Setup
 from gptforge.model.rollout.workers import GenerationOrder, Timeline, Workers, step_spans, trainer_callback
 from gptforge.model.train import sequence_parallel
@@ -50,7 +51,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     fmt = format_of(tokenizer.chat_template, str(sft_dir)) if tools else None
     corrected = pc.rollout.correction != "none" or pc.rollout.max_mismatch is not None
     if tools or apart or corrected:  # episodes, rollouts from workers, their log-probabilities (gptforge.model.rollout)
-        agent = Setup.load(pc.environment, pc.tools, pc.tool_timeout_s) if tools else None
+        agent = Setup.of(pc) if tools else None
         trainer_cls = rollout_trainer(trainer_cls, trainer, pc, oc, out_dir / "rollouts", agent, fmt)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
     data_parallel = dist.world_size // dist.sequence_parallel
@@ -76,8 +77,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
     source = None
     if apart:  # rollout workers sample the generation batches ahead (gptforge.model.rollout.workers)
-        spec = None if not tools else {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
-                                       "fmt": fmt, "max_turns": pc.max_turns, "max_length": pc.max_length}
+        spec = agent_spec(pc, fmt, pc.max_length) if tools else None
         order = GenerationOrder(len(prompts), args.per_device_train_batch_size * args.steps_per_generation,
                                 oc.num_generations, rank, world, cfg.run.seed)
         source = Workers(cfg, oc, sft_dir, spec, lambda ids: ([prompts[i]["prompt"] for i in ids],

@@ -87,7 +87,7 @@ def agent_answers(agent, model, tokenizer, items: list[dict], max_new_tokens: in
     policy's call format, the turn and length budgets), greedy unless `sampling` says otherwise: (the last turns,
     the reward columns: `messages`, the trajectories, and `environment_reward`; the tool calls of each).
     `synced`: the model is partitioned (ZeRO-3), the ranks sample in step until every rank's episodes end."""
-    from gptforge.model.rollout.episode import rollouts
+    from gptforge.model.rollout.episode import environment_rewards, rollouts
     from gptforge.model.train.distributed import all_sum
 
     model.eval()
@@ -97,7 +97,8 @@ def agent_answers(agent, model, tokenizer, items: list[dict], max_new_tokens: in
     episodes = rollouts(agent.setup, sample, tokenizer, items, agent.fmt, agent.max_turns, agent.max_length,
                         stop_ids(model), everyone)
     return ([e.response.strip() for e in episodes], {"messages": [e.messages for e in episodes],
-                                                     "environment_reward": [e.toolbox.reward() for e in episodes]},
+                                                     "environment_reward": environment_rewards(episodes,
+                                                                                               agent.setup.calls)},
             [len(e.calls) for e in episodes])
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gptforge.core.errors import DataError, UserError
 from gptforge.model.rollout.calls import parse
+from gptforge.model.rollout.concurrency import SEQUENTIAL, Concurrent
 from gptforge.model.rollout.tools import Call, Setup, Toolbox
 
 # sample(sequences, budgets) -> each sequence's next turn: the ids sampled, ending with a stop id unless the budget
@@ -39,6 +40,19 @@ class Agent:
     fmt: str
     max_turns: int
     max_length: int
+
+
+def agent_spec(pc, fmt: str, max_length: int) -> dict:
+    """What a rollout worker builds an `Agent` from (plain data, `spec_agent`): the preference section `pc`'s
+    environment, tools and their settings, the policy's call format and an episode's length budget."""
+    return {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
+            "concurrency": pc.tool_concurrency, "fmt": fmt, "max_turns": pc.max_turns, "max_length": max_length}
+
+
+def spec_agent(spec: dict) -> Agent:
+    """The `Agent` of an `agent_spec`, its environment and tools imported and checked."""
+    setup = Setup.load(spec["environment"], spec["tools"], spec["timeout"], spec["concurrency"])
+    return Agent(setup, spec["fmt"], spec["max_turns"], spec["max_length"])
 
 
 @dataclass
@@ -129,20 +143,28 @@ def rollouts(setup: Setup, sample: Sampler, tokenizer, rows: list[dict], fmt: st
              stop_ids: set[int], everyone: Callable[[bool], bool] | None = None) -> list[Episode]:
     """One episode a prompt row ({"prompt": messages, "answer", **columns}): a fresh environment reset with the row,
     then `run_episodes`."""
-    episodes = [start(tokenizer, row["prompt"], setup.toolbox(row)) for row in rows]
+    boxes = setup.calls.map(setup.toolbox, rows)  # the environments reset at once
+    episodes = [start(tokenizer, row["prompt"], box) for row, box in zip(rows, boxes, strict=True)]
     longest = max(len(e.prompt_ids) for e in episodes)
     if longest >= max_length:
         raise UserError(f"a prompt with the tools' schemas and the environment's first observation is {longest} "
                         f"tokens, with no room left under preference.max_length ({max_length}); raise it, or give "
                         "fewer tools or shorter docstrings")
-    return run_episodes(sample, tokenizer, episodes, fmt, max_turns, max_length, stop_ids, everyone)
+    return run_episodes(sample, tokenizer, episodes, fmt, max_turns, max_length, stop_ids, everyone, setup.calls)
+
+
+def environment_rewards(episodes: list[Episode], calls: Concurrent = SEQUENTIAL) -> list[float | None]:
+    """Each episode's environment's `get_reward()` (None without one), the batch's at once through `calls`."""
+    return calls.map(lambda e: None if e.toolbox is None else e.toolbox.reward(), episodes)
 
 
 def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, max_turns: int, max_length: int,
-                 stop_ids: set[int], everyone: Callable[[bool], bool] | None = None) -> list[Episode]:
-    """Every episode to its end, the policy sampling the next turn of all open episodes at once. `everyone(open)`:
-    whether any rank still has an open episode, where the ranks sample in step (a model partitioned by ZeRO-3): a
-    rank whose episodes have all ended samples a dummy turn meanwhile."""
+                 stop_ids: set[int], everyone: Callable[[bool], bool] | None = None,
+                 calls: Concurrent = SEQUENTIAL) -> list[Episode]:
+    """Every episode to its end, the policy sampling the next turn of all open episodes at once, then the tool
+    calls of that turn of every episode at once through `calls` (each episode's own in the order written).
+    `everyone(open)`: whether any rank still has an open episode, where the ranks sample in step (a model partitioned
+    by ZeRO-3): a rank whose episodes have all ended samples a dummy turn meanwhile."""
     for e in episodes:
         e.ended = "max_length" if len(e.prompt_ids) >= max_length else ""
     open_ = [e for e in episodes if not e.ended]
@@ -152,7 +174,7 @@ def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, 
             continue
         budgets = [max_length - len(e.prompt_ids) - len(e.ids) for e in open_]
         turns = sample([e.prompt_ids + e.ids for e in open_], budgets)
-        still = []
+        calling = []  # (episode, its turn, the calls it wrote): those whose tools run before their next turn
         for e, turn in zip(open_, turns, strict=True):
             e.ids += turn
             e.mask += [1] * len(turn)
@@ -168,16 +190,19 @@ def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, 
             elif e.turns >= max_turns:
                 e.ended = "max_turns"
             else:
-                results = [tool_message(e.toolbox, name, args) for name, args in parsed.calls]
-                between = between_turns(tokenizer, e, results, tokenizer.decode(turn[-1:]))
-                if len(e.prompt_ids) + len(e.ids) + len(between) >= max_length:
-                    e.ended = "max_length"  # the results would leave no room for another turn
-                    continue
-                e.messages += results
-                e.ids += between
-                e.mask += [0] * len(between)
-                e.logprobs += [0.0] * len(between)
-                still.append(e)
+                calling.append((e, turn, parsed.calls))
+        answered = calls.map(lambda c: [tool_message(c[0].toolbox, name, args) for name, args in c[2]], calling)
+        still = []
+        for (e, turn, _), results in zip(calling, answered, strict=True):
+            between = between_turns(tokenizer, e, results, tokenizer.decode(turn[-1:]))
+            if len(e.prompt_ids) + len(e.ids) + len(between) >= max_length:
+                e.ended = "max_length"  # the results would leave no room for another turn
+                continue
+            e.messages += results
+            e.ids += between
+            e.mask += [0] * len(between)
+            e.logprobs += [0.0] * len(between)
+            still.append(e)
         open_ = still
     return episodes
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from gptforge.model.rollout.generate import id_sampler, stop_ids
 from gptforge.data.chat import prompt_ids
-from gptforge.model.rollout.episode import Episode, rollouts, write_trajectories
+from gptforge.model.rollout.episode import Episode, environment_rewards, rollouts, write_trajectories
 from gptforge.model.rollout.tools import Setup
 
 
@@ -116,7 +116,7 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
             if agent is None:
                 return {}
             return {"messages": [e.messages for e in self._episodes],
-                    "environment_reward": [e.toolbox.reward() for e in self._episodes]}
+                    "environment_reward": environment_rewards(self._episodes, agent.calls)}
 
         def _log_episodes(self, episodes: list[Episode]) -> None:
             import torch

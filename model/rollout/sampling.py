@@ -87,7 +87,7 @@ def sample(engine, tokenizer, prompts: list[list[dict]], rows: list[dict], oc, a
 
         episodes = rollouts(agent.setup, draw, tokenizer, rows, agent.fmt, agent.max_turns, agent.max_length, stops,
                             everyone)
-        kept = episodes = [e.finished() for e in episodes]
+        kept = episodes = agent.setup.calls.map(Episode.finished, episodes)  # get_reward() of each, at once
     seqs, attention, mask, P = tensors(episodes, pad)
     logprobs = sampled_logprobs(episodes) * mask
     return Rollouts(seqs, attention, mask, P, logprobs, kept, version, (t0, time.time()))

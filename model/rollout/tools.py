@@ -7,8 +7,9 @@ gptforge's PPO and TRL's GRPOTrainer (`environment_factory`, `tools`):
 - stateless tools (`package.module:function`), with type hints and docstrings.
 
 A call runs with a timeout. An exception, a timeout, an unknown tool or bad arguments become the tool's error
-message to the model, never a crashed stage. A call that times out keeps its thread (Python cannot stop one), and
-its environment answers every later call of the episode with that error.
+message to the model, never a crashed stage. A call that times out keeps its thread (Python cannot stop one; an
+`async def` call is cancelled), and its environment answers every later call of the episode with that error.
+A batch's calls run at once, up to `preference.tool_concurrency` (gptforge.model.rollout.concurrency).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from gptforge.core.errors import ConfigError
 from gptforge.model.rewards import user_function
+from gptforge.model.rollout.concurrency import Concurrent, settled
 
 
 def schema(fn: Callable, key: str) -> dict:
@@ -47,14 +49,24 @@ def environment_tools(env) -> dict[str, Callable]:
 
 @dataclass
 class Setup:
-    """What `preference.environment` and `preference.tools` name, imported and checked."""
+    """What `preference.environment` and `preference.tools` name, imported and checked; `calls` runs a batch's
+    calls at once, up to `concurrency` (gptforge.model.rollout.concurrency)."""
 
     factory: Callable | None
     tools: list[Callable]
     timeout_s: float
+    concurrency: int = 1
+
+    def __post_init__(self):
+        self.calls = Concurrent(self.concurrency)
 
     @classmethod
-    def load(cls, environment: str | None, tools: list[str], timeout_s: float) -> Setup:
+    def of(cls, pc) -> Setup:
+        """The rollouts' environment and tools as the preference section `pc` names them."""
+        return cls.load(pc.environment, pc.tools, pc.tool_timeout_s, pc.tool_concurrency)
+
+    @classmethod
+    def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1) -> Setup:
         factory = user_function(environment, "preference.environment") if environment else None
         functions = [user_function(spec, "preference.tools") for spec in tools]
         for fn in functions:
@@ -66,7 +78,7 @@ class Setup:
                                   "no reset(**row) method")
             for fn in environment_tools(probe).values():
                 schema(fn, "preference.environment")
-        return cls(factory, functions, timeout_s)
+        return cls(factory, functions, timeout_s, concurrency)
 
     def toolbox(self, row: dict) -> Toolbox:
         """A new episode's tools: a fresh environment reset with the prompt's row, and the stateless tools."""
@@ -109,10 +121,11 @@ class Toolbox:
         if self.broken:
             raise RuntimeError(self.broken)
         box: dict = {}
+        pending: list = []  # an async call's future on the event loop
 
         def target():
             try:
-                box["value"] = fn()
+                box["value"] = settled(fn(), pending)
             except BaseException as e:  # noqa: BLE001 (reported to the model)
                 box["error"] = e
 
@@ -120,6 +133,8 @@ class Toolbox:
         thread.start()
         thread.join(self.timeout_s)
         if thread.is_alive():
+            for future in pending:
+                future.cancel()
             self.broken = f"the environment is still running {name}, which passed preference.tool_timeout_s"
             raise TimeoutError(f"{name} did not return within {self.timeout_s:g} s (preference.tool_timeout_s)")
         if "error" in box:

@@ -45,7 +45,7 @@ import torch
 
 from gptforge.core.errors import UserError
 from gptforge.model.rollout.engine import HFEngine, engine_class
-from gptforge.model.rollout.episode import Agent
+from gptforge.model.rollout.episode import Agent, spec_agent
 from gptforge.model.rollout.sampling import Rollouts, sample
 
 BUCKET_BYTES = 64 << 20  # weights sent to the workers per object
@@ -108,7 +108,6 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from gptforge.model.rollout.generate import stop_ids
-        from gptforge.model.rollout.tools import Setup
 
         os.chdir(cwd)  # the user's engine, environment and tools import from the stage's working folder
         if cwd not in sys.path:
@@ -131,8 +130,7 @@ class RolloutWorker:
             self.stops = set(eos if isinstance(eos, list) else [eos])
         self.agent = None
         if agent_spec is not None:
-            setup = Setup.load(agent_spec["environment"], agent_spec["tools"], agent_spec["timeout"])
-            self.agent = Agent(setup, agent_spec["fmt"], agent_spec["max_turns"], agent_spec["max_length"])
+            self.agent = spec_agent(agent_spec)
 
     def load(self, version: int, named: list[tuple[str, torch.Tensor]], final: bool) -> int:
         self.engine.load_weights(named)

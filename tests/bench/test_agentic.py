@@ -118,3 +118,13 @@ def test_a_users_environment_whose_tool_raises_and_stalls_through_ppo_grpo_and_r
         assert any(m["content"] == "error: ValueError: the adder is out of order" and e["ended"] == "answer"
                    for e in episodes for m in e["messages"]), stage  # read, and answered after
         assert sum(logged(out_dir, "tool_errors")) == len(errors), stage
+
+
+def test_agentic_latency_bench():
+    """bench/agentic_latency.py shrunk: 6 episodes, tools that wait 0.05 s, 3 at once: one by one never more than one
+    call waits at a time, at once three do, and the trajectories are the same either way (no speed asserted)."""
+    out = bench("agentic_latency.py", "--batch", "6", "--concurrency", "3", "--latency", "0.05", "--turns", "1")
+    rows = re.findall(r"^\| (function|async def) \| 0.05 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| 2.4x \| (\d+), (\d+) \| "
+                      r"(True|False) \|$", out, re.M)
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("function", "1", "3", "True"),
+                                                         ("async def", "1", "3", "True")], out

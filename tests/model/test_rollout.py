@@ -304,3 +304,69 @@ def test_a_turn_never_runs_past_the_positions_its_budget_leaves():
     turns = sample([full, short, middle], [2, 14, 8])
     assert [len(t) <= b for t, b in zip(turns, [2, 14, 8])] == [True] * 3 and all(turns)
     assert all(len(s) + len(t) <= 16 for s, t in zip([full, short, middle], turns))
+
+
+class Waiting:
+    """An environment whose tools wait (a sandbox, an HTTP call), each call's start and end recorded; `fetch` is
+    written as `async def`."""
+
+    spans: list = []
+
+    def reset(self, n: int = 0, **_) -> str:
+        self.n = n
+        return f" (item {n})"
+
+    def wait(self, seconds: float) -> str:
+        """Wait, then say which item this is.
+
+        Args:
+            seconds: how long
+        """
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        Waiting.spans.append((t0, time.perf_counter()))
+        return f"item {self.n} waited"
+
+    async def fetch(self, seconds: float) -> str:
+        """Wait on the event loop, then say which item this is.
+
+        Args:
+            seconds: how long
+        """
+        import asyncio
+
+        t0 = time.perf_counter()
+        await asyncio.sleep(seconds)
+        Waiting.spans.append((t0, time.perf_counter()))
+        return f"item {self.n} fetched"
+
+    def get_reward(self) -> float:
+        return float(self.n)
+
+
+@pytest.mark.parametrize("tool", ["wait", "fetch"])
+def test_a_turns_tool_calls_run_at_once_and_the_trajectories_are_the_sequential_ones(tokenizers, tool):
+    """Four episodes whose first turn calls a tool that waits 0.3 s (a plain function in the thread pool, or an
+    `async def` on the event loop): with tool_concurrency 4 the four calls of that turn overlap (each started before
+    any ended), and every trajectory (messages, ids, masks, calls, rewards) is the one the calls made one after
+    another give."""
+    from gptforge.model.rollout.episode import environment_rewards, rollouts
+
+    tok = tokenizers["hermes"]
+    rows = [{"prompt": [{"role": "user", "content": f"Wait for item {n}."}], "n": n} for n in range(4)]
+    turns = [call_text("hermes", tool, {"seconds": 0.3})] * 4 + [f"Item {n} is done." for n in range(4)]
+    done = {}
+    for concurrency in (1, 4):
+        Waiting.spans.clear()
+        setup = Setup(Waiting, [], timeout_s=5, concurrency=concurrency)
+        sample, eot = scripted(tok, turns, [])
+        episodes = rollouts(setup, sample, tok, rows, "hermes", max_turns=3, max_length=4096, stop_ids={eot})
+        done[concurrency] = ([(e.messages, e.prompt_ids, e.ids, e.mask, e.logprobs, e.turns, e.ended,
+                               [(c.name, c.arguments, c.result, c.error) for c in e.calls]) for e in episodes],
+                             environment_rewards(episodes, setup.calls), list(Waiting.spans))
+    assert done[4][:2] == done[1][:2]  # the same trajectories, in the same order
+    assert [e[0][2]["content"] for e in done[4][0]] == [f"item {n} {tool}ed" for n in range(4)]
+    assert done[4][1] == [0.0, 1.0, 2.0, 3.0]
+    one_by_one, at_once = done[1][2], done[4][2]
+    assert max(s for s, _ in one_by_one) >= min(e for _, e in one_by_one)  # in turn: one ended before the last began
+    assert max(s for s, _ in at_once) < min(e for _, e in at_once)  # at once: all four began before any ended

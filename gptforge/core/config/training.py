@@ -222,6 +222,8 @@ class PreferenceSection(TrainSection):
                              "no tool ends it.")
     tool_timeout_s: float = Setting(10.0, gt=0, description="Seconds a tool call (and reset, get_reward) may take; "
                                     "past it, the model reads a timeout error.")
+    tool_concurrency: int = Setting(16, ge=1, same_result=True, description="Tool calls, environment resets and "
+                                    "rewards, and rewards a batch's episodes wait on at once, a process (1: in turn).")
     dpo: DPOSection = Setting(default_factory=DPOSection, description="DPO's own settings.")
     ppo: PPOSection = Setting(default_factory=PPOSection, description="PPO's own settings.")
     grpo: GRPOSection = Setting(default_factory=GRPOSection, description="GRPO's own settings.")
