@@ -5,6 +5,10 @@ with the same settings and samples per step, over several seeds.
     .venv/bin/python bench/async_rl.py [-c configs/tiny.yaml] [--seeds 0 1 2] [--algorithms ppo grpo]
                                        [--root runs/async_rl] [--new-tokens 8] [--steps 200] [--set k=v ...]
 
+With `--tool-latency S`, the workload async exists for: bench/agentic.py's task, its tool waiting S seconds a call
+(a sandbox, an HTTP call), run sync with the tools in turn (preference.tool_concurrency 1), sync with them at once,
+and async; the tool phase of each step (tool_wait_s) is reported beside the step time.
+
 Reported: the step time of each (the mean time between the ends of consecutive updates, the first step left
 out), their ratio sync / async, the held-out exact match of each policy (mean ± standard error over the seeds),
 and a timeline of seed 0's last steps (`timeline.png` in the root): when the trainer samples, waits and trains,
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +34,31 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sync": ["preference.rollout.mode=sync"],
          "async": ["preference.rollout.mode=async", "preference.rollout.max_staleness=1",
                    "preference.rollout.workers=1"]}
+IN_TURN = {"sync, tools in turn": ["preference.rollout.mode=sync", "preference.tool_concurrency=1"]}
+WAITING_TOOL = '''
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    time.sleep({latency})  # a sandbox's or an HTTP call's wait
+    return a + b
+'''
+
+
+def waiting_task(root: Path, latency: float, algorithms: list[str], steps_data: dict) -> list[str]:
+    """bench/agentic.py's task (a sum only its tool gets right), its tool waiting `latency` seconds a call: the
+    overrides, its data and tool module written into `root` (the working folder the stages import it from)."""
+    from agentic import overrides
+
+    settings = overrides(root, argparse.Namespace(algorithms=algorithms, **steps_data))
+    (root / "agentic_tools.py").write_text(WAITING_TOOL.replace("{latency}", repr(latency)))
+    return [s for s in settings if not s.startswith("preference.algorithm=")]
 
 
 def step_time(timeline: list[dict]) -> float:
@@ -87,8 +117,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sync-cores", type=int, default=None,
                         help="pin the sync runs to this many cores (default: all), so that async's worker has cores "
                              "of its own beside a trainer of the same size, as rollout engines have their GPUs")
+    parser.add_argument("--tool-latency", type=float, default=None,
+                        help="the workload async exists for: bench/agentic.py's task with a tool that waits this many "
+                             "seconds a call, run sync with its tools in turn, sync with them at once, and async")
+    parser.add_argument("--agentic-data", type=int, nargs=4, default=[20000, 4000, 4000, 8000],
+                        metavar=("DOCUMENTS", "CALLS", "PROBLEMS", "DEMONSTRATIONS"),
+                        help="--tool-latency: bench/agentic.py's data sizes")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    modes = MODES
+    if args.tool_latency is not None:
+        args.root = args.root.resolve()
+        args.root.mkdir(parents=True, exist_ok=True)
+        documents, calls, problems, demonstrations = args.agentic_data
+        args.set = waiting_task(args.root, args.tool_latency, args.algorithms, {
+            "documents": documents, "calls": calls, "problems": problems, "demonstrations": demonstrations,
+            "flaws": 0.6}) + args.set
+        os.chdir(args.root)  # the stages import the tool from their working folder
+        modes = {**MODES, **IN_TURN}
     from gptforge.core.config import load_config
     from gptforge.pipeline.store import locate
 
@@ -99,24 +145,36 @@ def main(argv: list[str] | None = None) -> dict:
             common = [*args.set, f"preference.algorithm={algorithm}", "distributed.nproc_per_node=1"]
             common += [f"preference.{algorithm}.max_new_tokens={args.new_tokens}"] if args.new_tokens else []
             common += [f"preference.max_steps={args.steps}"] if args.steps else []
-            for mode, extra in MODES.items():  # one store: the stages before the algorithm computed once a seed
+            for mode, extra in modes.items():  # one store: the stages before the algorithm computed once a seed
                 every = os.sched_getaffinity(0)
                 if mode == "sync" and args.sync_cores:
                     os.sched_setaffinity(0, sorted(every)[:args.sync_cores])
+                root = args.root
+                if mode in IN_TURN:  # tool_concurrency leaves the fingerprint (the same result): a store of its own
+                    root = args.root / "in-turn"
+                    for done in (args.root / "store").glob("*"):
+                        if done.name not in (algorithm, f"eval-{algorithm}"):
+                            shutil.copytree(done, root / "store" / done.name, dirs_exist_ok=True)
                 try:
-                    metrics = run_seed(args.config, args.root, seed, [*common, *extra])
+                    metrics = run_seed(args.config, root, seed, [*common, *extra])
                 finally:
                     os.sched_setaffinity(0, every)
-                cfg = load_config(str(args.root / f"seed{seed}.yaml"))
+                cfg = load_config(str(root / f"seed{seed}.yaml"))
                 folder = locate(cfg, algorithm)[0]
                 timeline = [json.loads(line) for line in (folder / "logs" / "timeline.jsonl").read_text().splitlines()]
                 got = results.setdefault((algorithm, mode), {"step_s": [], "exact_match": [], "steps": [],
-                                                             "updates": []})
+                                                             "updates": [], "tool_wait_s": []})
                 got["step_s"].append(step_time(timeline))
                 got["steps"].append(metrics[algorithm]["global_step"])
                 got["updates"].append(len({s["step"] for s in timeline if s["who"] == "trainer"
                                            and s["what"] == "train"}))
-                got["exact_match"].append(metrics[f"eval-{algorithm}"]["exact_match"])
+                evaluated = metrics[f"eval-{algorithm}"]
+                got["exact_match"].append(evaluated.get("exact_match", evaluated.get("accuracy/exact_match")))
+                waits = [json.loads(line).get("tool_wait_s") for line in
+                         (folder / "logs" / "metrics.jsonl").read_text().splitlines()]
+                waits = [w for w in waits if w is not None]
+                if waits:
+                    got["tool_wait_s"].append(statistics.mean(waits))
                 if seed == args.seeds[0]:
                     timelines[f"{algorithm} {mode}"] = timeline
     plot(timelines, args.root / "timeline.png")
@@ -124,14 +182,24 @@ def main(argv: list[str] | None = None) -> dict:
     cores = f"sync on {args.sync_cores} of {n} cores" if args.sync_cores else "both on every core"
     print(f"sync against async (max_staleness 1, one worker) on the demo, seeds {args.seeds}, {cores}, "
           f"{' '.join(args.set)}")
-    print("| algorithm | mode | step time (s) | held-out exact match |")
-    print("|---|---|---|---|")
+    print("| algorithm | mode | step time (s) | tool phase (s a step) | held-out exact match |")
+    print("|---|---|---|---|---|")
     ratios = {}
     for (algorithm, mode), got in results.items():
-        print(f"| {algorithm} | {mode} | {mean_se(got['step_s'])} | {mean_se(got['exact_match'])} |")
+        waits = mean_se(got["tool_wait_s"]) if got["tool_wait_s"] else "-"
+        print(f"| {algorithm} | {mode} | {mean_se(got['step_s'])} | {waits} | {mean_se(got['exact_match'])} |")
     for (algorithm, mode), got in results.items():  # both modes did the same work: the same steps and updates
         print(f"work: {algorithm} {mode}: {got['steps']} steps, {got['updates']} updates")
     for algorithm in args.algorithms:
+        if (algorithm, "sync, tools in turn") in results:
+            turn, once = results[algorithm, "sync, tools in turn"], results[algorithm, "sync"]
+            if turn["tool_wait_s"] and once["tool_wait_s"]:
+                each = [a / b for a, b in zip(turn["tool_wait_s"], once["tool_wait_s"])]
+                print(f"{algorithm} tool phase in turn / at once: {statistics.mean(each):.2f}x (per seed: "
+                      f"{', '.join(f'{r:.2f}' for r in each)})")
+            share = [w / s for w, s in zip(once["tool_wait_s"], once["step_s"])]
+            if share:
+                print(f"{algorithm} waiting on tools, share of a sync step: {statistics.mean(share):.0%}")
         each = [s / a for s, a in zip(results[algorithm, "sync"]["step_s"], results[algorithm, "async"]["step_s"])]
         ratios[algorithm] = statistics.mean(each)
         print(f"{algorithm} step time sync / async: {ratios[algorithm]:.2f}x (per seed: "

@@ -4,10 +4,10 @@ seed, one run side by side:
 
 - the teacher: GRPO from the SFT model (`preference.max_steps` steps, the RLVR bench's);
 - on-policy distillation (the distill stage, reverse KL): the same SFT model learns toward the GRPO policy on its
-  own samples, for each of `--steps` optimizer steps (by default GRPO's / 16, / 8 and / 4);
+  own samples, for each of `--steps` optimizer steps (by default GRPO's / 16, / 8 and / 4), 64 samples a step;
 - off-policy distillation: the same SFT model fine-tuned (SFT) on the teacher's own samples of the same prompts,
   as many sequences as the distill run scored (so as many teacher-scored tokens, within the lengths' difference),
-  for the same steps;
+  for the same steps, at the same learning rate (`--lr`);
 - a student half the teacher's size (`--small`: model.n_layer halved), pretrained and fine-tuned alone, then
   distilled from the same teacher for GRPO's / 4 steps.
 
@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--demonstrations", type=int, default=20000)
     p.add_argument("--slips", type=float, default=0.6)
     p.add_argument("--steps", type=int, nargs="+", help="distill and off-policy steps (default GRPO's / 16, 8, 4)")
+    p.add_argument("--lr", type=float, default=1e-4, help="the learning rate of both distillations (default 1e-4; "
+                   "at 5e-4 on-policy distillation first fell below SFT, seed 0)")
     p.add_argument("--small", action="store_true", default=True)
     p.add_argument("--no-small", dest="small", action="store_false")
     p.add_argument("--set", action="append", default=[])
@@ -97,12 +99,13 @@ def main() -> None:
               "preference.grpo.ptx_coef=0", *args.set, "preference.algorithm=grpo"]
     grpo_steps = load_config(args.config, common).preference.max_steps
     steps = args.steps or [max(1, grpo_steps // d) for d in (16, 8, 4)]
-    distill = ["distill.enabled=true", "distill.teacher=grpo", "distill.lr=5e-4", "distill.warmup_steps=0",
+    distill = ["distill.enabled=true", "distill.teacher=grpo", f"distill.lr={args.lr:g}", "distill.warmup_steps=0",
                "distill.global_batch_size=64", "distill.micro_batch_size=32", "distill.max_new_tokens=8"]
     table: dict[str, dict[int, float]] = {}
     tokens: dict[str, dict[int, float]] = {}
     for seed in args.seeds:
-        runs = {n: run_seed(args.config, root, seed, [*common, *distill, f"distill.max_steps={n}"]) for n in steps}
+        runs = {n: run_seed(args.config, root, seed, [*common, *distill, f"distill.max_steps={n}", *args.set])
+                for n in steps}
         last = runs[steps[-1]]
         row = {"sft": last["eval-grpo"]["sft_accuracy/math_equal"], "grpo": last["eval-grpo"]["accuracy/math_equal"]}
         row |= {f"on-policy {n}": runs[n]["eval-distill"]["accuracy/math_equal"] for n in steps}
@@ -115,10 +118,10 @@ def main() -> None:
             data, written = teacher_samples(cfg, grpo_dir, rows, root / f"teacher-{seed}-{n}.jsonl", seed)
             off = run_seed(args.config, root / "off-policy", seed, [
                 *common, "pretrain.enabled=false", f"model.pretrained={sft_dir}", f"data.sft={data}",
-                "sft.lr=5e-4", "sft.warmup_steps=0", f"sft.max_steps={n}", "sft.global_batch_size=64",
+                f"sft.lr={args.lr:g}", "sft.warmup_steps=0", f"sft.max_steps={n}", "sft.global_batch_size=64",
                 "sft.micro_batch_size=32", "preference.enabled=false", "reward.enabled=false"])
             off_cfg = load_config(args.config, [*common, "pretrain.enabled=false", f"model.pretrained={sft_dir}",
-                                                f"data.sft={data}", "sft.lr=5e-4", "sft.warmup_steps=0",
+                                                f"data.sft={data}", f"sft.lr={args.lr:g}", "sft.warmup_steps=0",
                                                 f"sft.max_steps={n}", "sft.global_batch_size=64",
                                                 "sft.micro_batch_size=32", "preference.enabled=false",
                                                 "reward.enabled=false", f"run.seed={seed}",

@@ -28,13 +28,15 @@ PANELS = [
     ("preference margin", ("reward_margin", "train_reward_margin"), "chosen - rejected (reward)"),
     ("reward", ("reward_mean",), "mean reward (weighed total)"),
     ("KL to the reference", ("kl",), "KL (nats/response)"),
+    ("KL to the teacher", ("distill_kl",), "KL(student || teacher) (nats/token)"),
+    ("log-probability of the samples", ("student_logp", "teacher_logp"), "mean log p of a sampled token (nats)"),
     ("aux loss", ("aux_loss",), "load-balancing loss"),
     ("throughput", ("tokens_per_sec",), "tokens/s"),
 ]
 # The metrics a stage's table shows, in this order, those it has (at most five).
 HEADLINE = ["documents_kept", "bytes_kept", "val_loss", "exact_match", "base_exact_match", "sft_exact_match",
             "rouge_l", "base_rouge_l",
-            "win_rate_vs_sft", "reward_accuracy",
+            "win_rate_vs_sft", "win_rate_vs_teacher", "reward_accuracy",
             "reward_margin", "reward_mean", "kl", "val_ppl", "tokens_per_sec", "mfu", "peak_host_memory_gib"]
 
 

@@ -181,7 +181,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                                gen_tokens_per_sec=all_mean(sampled.mask.sum().item() / wait, device) * world,
                                rollout_wait_s=all_mean(wait, device),
                                **{"rollout/staleness": staleness,
-                                  "rollout/version": sampled.version}, **episode_metrics(sampled.episodes, device))
+                                  "rollout/version": sampled.version}, **episode_metrics(sampled.episodes, device,
+                                                                           sampled.extra.get("tool_wait_s")))
             loop.save(rank_state=lambda: {"rollouts": source.state()}, scored_tokens=scored)
     finally:
         source.close()

@@ -283,7 +283,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                         tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],
                         rollout_wait_s=all_mean(gen_seconds, device),
                         grad_norm=grad_norm(actor_engine), bad_steps=guard.bad_steps,
-                        **{k: all_mean(v, device) for k, v in stats.items()}, **episode_metrics(episodes, device))
+                        **{k: all_mean(v, device) for k, v in stats.items()},
+                        **episode_metrics(episodes, device, sampled.extra.get("tool_wait_s")))
                 if episodes is not None and rank == 0:
                     write_trajectories(out_dir / "rollouts", step, episodes, total, each)
             if step % pc.save_every == 0 and step < pc.max_steps:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -38,21 +39,26 @@ _loop: asyncio.AbstractEventLoop | None = None
 
 class Concurrent:
     """A bounded thread pool that maps a function over a batch, results in the batch's order (the first exception
-    raised, as a loop would). `limit` 1: a plain loop in the calling thread."""
+    raised, as a loop would). `limit` 1: a plain loop in the calling thread. `waited`: the seconds its callers have
+    spent waiting on it (the tool phase's wall time, logged as tool_wait_s)."""
 
     def __init__(self, limit: int):
-        self.limit = limit
+        self.limit, self.waited = limit, 0.0
         self._pool: ThreadPoolExecutor | None = None
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         items = list(items)
-        if self.limit <= 1 or len(items) <= 1:
-            return [fn(x) for x in items]
-        if self._pool is None:
-            with _lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.limit, thread_name_prefix="rollout-call")
-        return list(self._pool.map(fn, items))
+        t0 = time.perf_counter()
+        try:
+            if self.limit <= 1 or len(items) <= 1:
+                return [fn(x) for x in items]
+            if self._pool is None:
+                with _lock:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(self.limit, thread_name_prefix="rollout-call")
+            return list(self._pool.map(fn, items))
+        finally:
+            self.waited += time.perf_counter() - t0
 
 
 SEQUENTIAL = Concurrent(1)

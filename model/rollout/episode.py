@@ -257,12 +257,14 @@ def write_trajectories(folder: Path, step: int, episodes, total: list[float], ea
     tmp.replace(folder / f"step-{step:08d}.jsonl")
 
 
-def episode_metrics(episodes: list[Episode] | None, device) -> dict:
-    """turns_per_episode and tool_calls_per_episode (means over every rank's episodes), tool_errors (their sum)."""
+def episode_metrics(episodes: list[Episode] | None, device, tool_wait_s: float | None = None) -> dict:
+    """turns_per_episode and tool_calls_per_episode (means over every rank's episodes), tool_errors (their sum), and
+    tool_wait_s (the mean over the ranks of the seconds their rollouts waited on tools, where measured)."""
     if episodes is None:
         return {}
-    from gptforge.model.train.distributed import all_sum
+    from gptforge.model.train.distributed import all_mean, all_sum
 
     turns, calls, errors, n = all_sum([sum(e.turns for e in episodes), sum(len(e.calls) for e in episodes),
                                        sum(e.tool_errors for e in episodes), len(episodes)], device)
-    return {"turns_per_episode": turns / n, "tool_calls_per_episode": calls / n, "tool_errors": errors}
+    waited = {} if tool_wait_s is None else {"tool_wait_s": all_mean(tool_wait_s, device)}
+    return {"turns_per_episode": turns / n, "tool_calls_per_episode": calls / n, "tool_errors": errors, **waited}

@@ -75,10 +75,14 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
             return out
 
         def _roll_out(self, prompts: list) -> list[Episode]:
+            self._waited = None
             if self._sampled is not None:
                 episodes = self._sampled.episodes or single_turns(self._sampled, prompts, self.processing_class)
+                self._waited = self._sampled.extra.get("tool_wait_s")
             else:
+                waited = agent.calls.waited if agent is not None else 0.0
                 episodes = self._sample_here(prompts)
+                self._waited = agent.calls.waited - waited if agent is not None else None
             self._episodes = episodes
             if agent is not None:
                 self._log_episodes(episodes)
@@ -128,6 +132,9 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
             self._metrics[mode]["turns_per_episode"].append(counts[:, 0].mean().item())
             self._metrics[mode]["tool_calls_per_episode"].append(counts[:, 1].mean().item())
             self._metrics[mode]["tool_errors"].append(counts[:, 2].sum().item())
+            if self._waited is not None:  # sampled here: the seconds the batch waited on its tools (all processes')
+                waited = self.accelerator.gather(torch.tensor([self._waited], device=self.accelerator.device))
+                self._metrics[mode]["tool_wait_s"].append(waited.mean().item())
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -80,14 +80,16 @@ def sample(engine, tokenizer, prompts: list[list[dict]], rows: list[dict], oc, a
         turns = engine.generate(ids, [oc.max_new_tokens] * len(ids), oc.max_new_tokens, **settings)
         episodes = [Episode(p, i, list(t), [1] * len(t), t.logprobs or [0.0] * len(t))
                     for p, i, t in zip(prompts, ids, turns, strict=True)]
-        kept = None
+        kept, extra = None, {}
     else:
         def draw(sequences, budgets):
             return engine.generate(sequences, budgets, oc.max_new_tokens, **settings)
 
+        waited = agent.setup.calls.waited
         episodes = rollouts(agent.setup, draw, tokenizer, rows, agent.fmt, agent.max_turns, agent.max_length, stops,
                             everyone)
         kept = episodes = agent.setup.calls.map(Episode.finished, episodes)  # get_reward() of each, at once
+        extra = {"tool_wait_s": agent.setup.calls.waited - waited}
     seqs, attention, mask, P = tensors(episodes, pad)
     logprobs = sampled_logprobs(episodes) * mask
-    return Rollouts(seqs, attention, mask, P, logprobs, kept, version, (t0, time.time()))
+    return Rollouts(seqs, attention, mask, P, logprobs, kept, version, (t0, time.time()), extra=extra)

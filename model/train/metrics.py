@@ -56,6 +56,8 @@ NAMES = {
     "turns_per_episode": "mean turns of the policy in a rollout with tools",
     "tool_calls_per_episode": "mean tool calls in a rollout (held out: an episode of the policy's)",
     "sft_tool_calls_per_episode": "held out: mean tool calls in an episode of the SFT model's",
+    "tool_wait_s": "seconds the step's rollouts waited on tools, environment resets and get_reward() (wall time, "
+                   "mean over the processes; preference.tool_concurrency runs them at once)",
     "tool_errors": "tool calls that failed (an exception, a timeout, a malformed or unknown call) in the step",
     "policy_loss": "PPO clipped surrogate loss",
     "value_loss": "PPO clipped value loss",
@@ -154,11 +156,11 @@ TRL_NAMES = {
     "reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zero_std": "frac_reward_zero_std",
     "kl": "kl_per_token", "completions/mean_length": "response_length", "clip_ratio/region_mean": "clip_frac",
     "aux_loss": "aux_loss", "turns_per_episode": "turns_per_episode",
-    "tool_calls_per_episode": "tool_calls_per_episode", "tool_errors": "tool_errors",
+    "tool_calls_per_episode": "tool_calls_per_episode", "tool_errors": "tool_errors", "tool_wait_s": "tool_wait_s",
 }
 # Measures of how a run went (speed, memory) rather than of what it computed: they differ between two runs that
 # computed the same thing.
-MEASURED = {"tokens_per_sec", "gen_tokens_per_sec", "rollout_wait_s", "mfu", "peak_host_memory_gib",
+MEASURED = {"tokens_per_sec", "gen_tokens_per_sec", "rollout_wait_s", "tool_wait_s", "mfu", "peak_host_memory_gib",
             "peak_device_memory_gib"}
 WARMUP_STEPS = 5  # steps after each start left out of tokens_per_sec (compilation, allocator warm-up)
 

@@ -71,3 +71,16 @@ def test_distill_bench(chain, tmp_path):
     scored = dict(re.findall(r"^teacher-scored tokens, (.+): (\d+) a seed$", out, re.M))
     assert 0 < int(scored["on-policy 2"]) <= 2 * 64 * 8 and 0 < int(scored["off-policy 2"]) <= 2 * 64 * 8, out
     assert (tmp_path / "distill.png").stat().st_size > 0
+
+
+def test_continuous_batching_bench(chain):
+    """bench/continuous_batching.py on the session's SFT model, 8 prompts: both samplers' rates and their ratio,
+    and each one's log-probabilities of its own samples at the trainer's (rounding), which a sampler that returned
+    another distribution's would break."""
+    out = bench("continuous_batching.py", "--model", str(chain["sft"][1] / "model"), "--prompts", "8",
+                "--max-new-tokens", "8", "--repeats", "1")
+    for name in ("static", "continuous"):
+        found = re.search(rf"^{name}: \d+ response tokens/s, length [\d.]+ ± [\d.]+ \(max \d+\), \|logp - trainer's\| "
+                          r"([\d.e+-]+) a token$", out, re.M)
+        assert found and float(found.group(1)) < 1e-4, out
+    assert re.search(r"^continuous / static: [\d.]+x", out, re.M), out

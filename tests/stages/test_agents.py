@@ -56,7 +56,7 @@ def run_with_ledger(chain, tmp_path, monkeypatch, stage: str, *overrides: str):
                          "preference.rewards=[{name: reward_model}, {name: environment, weight: 0.5}]")
     manifest, out_dir, _ = run_stage(cfg, path, stage)
     assert manifest["metrics"]["global_step"] == 2
-    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "rewards/environment"):
+    for key in ("turns_per_episode", "tool_calls_per_episode", "tool_errors", "rewards/environment", "tool_wait_s"):
         assert len(logged(out_dir, key)) == 2, key
     assert logged(out_dir, "turns_per_episode") == [1, 1]  # no tools: one turn each (tool turns: test_rollout.py)
     return cfg, path, out_dir

@@ -38,6 +38,11 @@ def test_distill_resumes_after_sigkill_and_is_evaluated_against_its_start_and_it
     assert logged(out_dir, "loss") == pytest.approx(logged(out_dir, "distill_kl"), rel=1e-5)
     assert all(s < 0 and t < 0 for s, t in zip(logged(out_dir, "student_logp"), logged(out_dir, "teacher_logp")))
     assert changed_from_sft(chain, out_dir)
+    from gptforge.pipeline.report import read_log, stage_panels
+
+    panels = {title: unit for title, _, unit in stage_panels(read_log(out_dir), "distill")}  # the report's plot
+    assert panels["loss"] == "divergence to the teacher (nats/token)"
+    assert {"KL to the teacher", "log-probability of the samples"} <= panels.keys()
 
     # SIGKILLed once its step-2 checkpoint is complete, then rerun: the uninterrupted run's metrics and weights
     cfg2, path2 = prepared(chain, tmp_path / "killed", *distill(ppo))
