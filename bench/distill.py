@@ -170,10 +170,11 @@ def plot(table: dict, steps: list[int], grpo_steps: int, tokens: dict, path: Pat
     mean = {k: statistics.mean(table[s][k] for s in seeds) for k in table[seeds[0]]}
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot([0, grpo_steps], [mean["sft"], mean["grpo"]], "o-", label="GRPO (the teacher)")
-    for kind in ("on-policy", "off-policy"):
-        a.plot([0, *steps], [mean["sft"], *[mean[f"{kind} {n}"] for n in steps]], "o-", label=f"{kind} distillation")
+    for kind, color in (("on-policy", "tab:orange"), ("off-policy", "tab:green")):
+        a.plot([0, *steps], [mean["sft"], *[mean[f"{kind} {n}"] for n in steps]], "o-", color=color,
+               label=f"{kind} distillation")
         b.plot([0, *[statistics.mean(tokens[f"{kind} {n}"].values()) for n in steps]],
-               [mean["sft"], *[mean[f"{kind} {n}"] for n in steps]], "o-", label=f"{kind} distillation")
+               [mean["sft"], *[mean[f"{kind} {n}"] for n in steps]], "o-", color=color, label=f"{kind} distillation")
     a.set(xlabel="optimizer steps", ylabel="held-out accuracy (math_equal)", xscale="symlog")
     b.set(xlabel="teacher-scored tokens", ylabel="held-out accuracy (math_equal)")
     for ax in (a, b):
