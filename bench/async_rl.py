@@ -182,12 +182,13 @@ def main(argv: list[str] | None = None) -> dict:
     cores = f"sync on {args.sync_cores} of {n} cores" if args.sync_cores else "both on every core"
     print(f"sync against async (max_staleness 1, one worker) on the demo, seeds {args.seeds}, {cores}, "
           f"{' '.join(args.set)}")
-    print("| algorithm | mode | step time (s) | tool phase (s a step) | held-out exact match |")
-    print("|---|---|---|---|---|")
+    tools = args.tool_latency is not None  # the tool phase beside the step time
+    print(f"| algorithm | mode | step time (s) |{' tool phase (s a step) |' if tools else ''} held-out exact match |")
+    print(f"|---|---|---|{'---|' if tools else ''}---|")
     ratios = {}
     for (algorithm, mode), got in results.items():
-        waits = mean_se(got["tool_wait_s"]) if got["tool_wait_s"] else "-"
-        print(f"| {algorithm} | {mode} | {mean_se(got['step_s'])} | {waits} | {mean_se(got['exact_match'])} |")
+        waits = f" {mean_se(got['tool_wait_s']) if got['tool_wait_s'] else '-'} |" if tools else ""
+        print(f"| {algorithm} | {mode} | {mean_se(got['step_s'])} |{waits} {mean_se(got['exact_match'])} |")
     for (algorithm, mode), got in results.items():  # both modes did the same work: the same steps and updates
         print(f"work: {algorithm} {mode}: {got['steps']} steps, {got['updates']} updates")
     for algorithm in args.algorithms:

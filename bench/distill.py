@@ -104,8 +104,7 @@ def main() -> None:
     table: dict[str, dict[int, float]] = {}
     tokens: dict[str, dict[int, float]] = {}
     for seed in args.seeds:
-        runs = {n: run_seed(args.config, root, seed, [*common, *distill, f"distill.max_steps={n}", *args.set])
-                for n in steps}
+        runs = {n: run_seed(args.config, root, seed, [*common, *distill, f"distill.max_steps={n}"]) for n in steps}
         last = runs[steps[-1]]
         row = {"sft": last["eval-grpo"]["sft_accuracy/math_equal"], "grpo": last["eval-grpo"]["accuracy/math_equal"]}
         row |= {f"on-policy {n}": runs[n]["eval-distill"]["accuracy/math_equal"] for n in steps}
