@@ -218,17 +218,16 @@ def render(p: Plan, name: str, gpus: int, gpu_mem: float | None, seq_len: int, m
     return "\n".join(lines)
 
 
-def device_memory_gib(device: torch.device) -> float | None:
-    """What one process may use: the GPU's memory, or on the CPU the host's memory shared by its local ranks."""
-    import os
-
+def device_memory_gib(device: torch.device, local_ranks: int | None = None) -> float | None:
+    """What one process may use: the GPU's memory, or on the CPU the host's memory shared by its local ranks
+    (`local_ranks`, else this process's LOCAL_WORLD_SIZE)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / GiB
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     except (ValueError, OSError):
         return None
-    return host / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return host / (local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def long_context(cfg, section: str, sp: int, seq_len: int, micro_batch: int, vocab_size: int,
@@ -290,14 +289,8 @@ def fits(cfg, train, student_dir, teacher_dir, section: str) -> str | None:
             n = parameter_counts(AutoModelForCausalLM.from_config(t_config))[0]
         teacher = 2 * n / (world if dist.zero_stage == 3 else 1)
     need = p.gpu_bytes(dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing) + teacher
-    if torch.cuda.is_available():
-        memory = torch.cuda.get_device_properties(0).total_memory / GiB
-    else:
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / dist.nproc_per_node
-        except (ValueError, OSError):
-            return None
-    if need <= memory * GiB:
+    memory = device_memory_gib(torch.device("cuda" if torch.cuda.is_available() else "cpu"), dist.nproc_per_node)
+    if memory is None or need <= memory * GiB:
         return None
     line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world, None)
     return (f"the planner ({p.n_params / 1e9:.2f}B parameters): {line}"

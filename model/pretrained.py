@@ -293,6 +293,7 @@ def stop_tokens_of(model) -> list[int]:
 def roles(cfg) -> list[tuple[str, str, str]]:
     """(key, model name, kind for `check_model`) of each model the config names for a role beside the policy (a
     distill teacher or student that names a model, not a stage of the run, among them)."""
+    from gptforge.core.declarations import STAGE_OR_MODEL
     from gptforge.core.registry import named_stage, setting
 
     pc = cfg.preference
@@ -301,7 +302,7 @@ def roles(cfg) -> list[tuple[str, str, str]]:
              ("preference.ppo.critic", pc.ppo.critic, "any")]
     if cfg.distill.enabled:
         named += [(key, setting(cfg, key), "causal-lm")
-                  for key in ("distill.teacher", "distill.student") if named_stage(cfg, key) is None]
+                  for key in STAGE_OR_MODEL if named_stage(cfg, key) is None]
     return [(key, name, kind) for key, name, kind in named if name]
 
 

@@ -48,6 +48,7 @@ from gptforge.data import splits
 from gptforge.data.batches import DistributedOrder
 from gptforge.data.chat import positions
 from gptforge.model.attention import load_kwargs
+from gptforge.model.lora import wrap
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import check_same_tokenizer, load_causal_lm, stage_or_model
 from gptforge.model.rollout.calls import format_of
@@ -136,8 +137,6 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
     synced = dist.zero_stage == 3
     with partitioned(ds_config):  # ZeRO-3: the student partitioned as it loads
         student = load_causal_lm(student_dir, cfg.model, uses_bf16(dist, device), lora=dc.lora)
-    from gptforge.model.lora import wrap
-
     student = wrap(student, dc.lora, "causal-lm", "distill.lora", checkpointing=dist.activation_checkpointing)
     teacher = teacher_engine(cfg, teacher_dir, ds_config, device, tokenizer.pad_token_id, synced)
     ckpt, elastic = find_checkpoint(out_dir / "checkpoints", rank, world)
