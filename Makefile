@@ -2,7 +2,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 CONFIG  ?= configs/tiny.yaml
-EXTRAS  ?= dev,browser
+EXTRAS  ?= dev,browser,environments
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false

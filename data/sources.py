@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptforge.core import procedural
 from gptforge.core.errors import DataError
 
 TEXT = (".txt", ".jsonl")
@@ -60,9 +61,12 @@ class Unit:
 
 
 def kind_of(path: str) -> str:
-    """'demo', 'local' or 'hub'. A path with a known extension, a glob or an existing path is local."""
+    """'demo', 'procedural' (reasoning_gym:<dataset>), 'local' or 'hub'. A path with a known extension, a glob or an
+    existing path is local."""
     if path == "demo":
         return "demo"
+    if procedural.is_procedural(path):
+        return "procedural"
     if any(c in path for c in GLOB_CHARS) or path.endswith(EXTENSIONS) or os.path.exists(path):
         return "local"
     return "hub"
@@ -103,6 +107,8 @@ def units(source, demo_docs: int = 0, split_files: bool = True) -> list[Unit]:
     kind = kind_of(source.path)
     if kind == "demo":
         return [Unit("demo", "demo", 0, demo_docs)]
+    if kind == "procedural":
+        return [Unit("procedural", source.path, 0, source.size)]
     if kind == "hub":
         return _hub_units(source)
     if Path(source.path).is_dir() and is_dataset_folder(Path(source.path)):
@@ -180,6 +186,8 @@ def read_unit(unit: Unit, source, demo_settings=None) -> Iterator[Row]:
         return _read_table(unit, load_saved(source).data.table, unit.path)
     if unit.kind == "hub":
         return _read_hub(unit, source)
+    if unit.kind == "procedural":
+        return (Row(source.path, i + 1, row) for i, row in procedural.items(source))
     from gptforge.data import demo
 
     docs = demo.from_settings(demo_settings, "pretrain").pretrain
@@ -391,6 +399,8 @@ def fingerprint_source(source, demo_settings: dict, cache_dir: Path | None = Non
             h.update(source.split.encode())
     elif kind == "demo":
         h.update(json.dumps({"demo": demo_settings}, sort_keys=True).encode())
+    elif kind == "procedural":
+        h.update(json.dumps(procedural.fingerprint(source), sort_keys=True).encode())
     else:
         h.update(json.dumps({"hub": source.path, "subset": source.subset, "split": source.split,
                              "commit": resolve_revision(source)}).encode())

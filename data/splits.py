@@ -9,11 +9,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from gptforge.core import procedural
 from gptforge.core.config.inputs import SourceSection
 from gptforge.core.errors import DataError
 from gptforge.data import demo
 from gptforge.data.formats import Normalised, normalise, to_eval_item, to_messages, to_pair, to_prompt_item
-from gptforge.data.sources import fingerprint_source, kind_of, read_rows
+from gptforge.data.sources import Row, fingerprint_source, kind_of, read_rows
 
 VAL_EVERY = 20  # for files and hub data: every 20th row is held out for validation
 
@@ -34,6 +35,11 @@ def _load(source, data_cfg, adapt, what: str) -> Normalised:
 def _split(source, data_cfg, adapt, what: str) -> Split:
     """The source's rows, every VAL_EVERY-th held out; or all of them, and the rows of its `held_out` file."""
     rows = _load(source, data_cfg, adapt, what)
+    if kind_of(source.path) == "procedural":  # the held-out items are generated from a seed of their own
+        held = normalise((Row(source.path, i + 1, r) for i, r in procedural.items(source, held_out=True)), adapt,
+                         data_cfg.on_bad_row, what)
+        seen = {str(x["prompt"]) for x in rows.items}
+        return Split(rows.items, [x for x in held.items if str(x["prompt"]) not in seen], rows.bad_rows)
     if source.held_out is not None:
         held = _load(SourceSection(path=source.held_out), data_cfg, adapt, what)
         return Split(rows.items, held.items, rows.bad_rows + held.bad_rows)
@@ -138,6 +144,8 @@ def eval_set(data_cfg, after: str) -> EvalSet:
     where = f"{key}={source.path}"
     if kind_of(source.path) == "demo":
         return EvalSet(demo.from_settings(data_cfg.demo, "eval").eval, where, demo=True)
+    if key == "data.eval" and kind_of(source.path) == "procedural":  # its held-out items
+        return EvalSet(_split(source, data_cfg, to_prompt_item, "evaluation").val, where)
     if key == "data.eval":
         return EvalSet(_load(source, data_cfg, to_eval_item, "evaluation").items, where)
     # held-out rows: SFT's conversations; after a preference stage the online prompts' (data.prompts, else the pairs')

@@ -12,7 +12,9 @@ column of the prompts' rows, one list each (as TRL hands its reward functions th
 - `math_equal`: 1 where the response's final answer is mathematically equal to the reference's (the maintained
   `math-verify` package: LaTeX, plain numbers, fractions; the reference's GSM8K `#### 42` already cut to 42);
 - `format`: 1 where the whole response matches `preference.format_pattern` (a regex, such as think/answer tags);
-- `length`: minus the response's tokens over `preference.length_target` (0 at or under it).
+- `length`: minus the response's tokens over `preference.length_target` (0 at or under it);
+- `reasoning_gym`: on `data.prompts: reasoning_gym:<dataset>` rows, the dataset's own `score_answer` of the
+  response (gptforge.core.procedural), 0 on a row reasoning-gym did not generate.
 
 A name with a colon is the user's own function, `package.module:function`, imported from the working folder or
 an installed package. A `url` is a reward server: the batch as one JSON POST
@@ -37,7 +39,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
+from gptforge.core import procedural
 from gptforge.core.errors import UserError
+from gptforge.core.extras import require
 
 REWARD_MODEL = "reward_model"  # the built-in names: gptforge.core.config.REWARD_BUILT_IN
 
@@ -86,6 +90,11 @@ def verify(responses: list[str], answers: list[str]) -> list[float]:
 
 
 ENVIRONMENT = "environment"  # the environment's own get_reward() of each episode (gptforge.model.rollout)
+
+
+def reasoning_gym(prompts, responses, answers, **columns) -> list[float]:
+    """reasoning-gym's score of each response, by its item's dataset (the rows' `reasoning_gym` column)."""
+    return procedural.score(responses, columns.get(procedural.COLUMN) or [None] * len(responses))
 
 
 def environment_reward(prompts, responses, answers, environment_reward=None, **_) -> list[float]:
@@ -203,6 +212,9 @@ def build(pc, tokenizer=None) -> list[Reward]:
             out.append(Reward("math_equal", spec.weight, key, math_equal))
         elif spec.name == "format":
             out.append(Reward("format", spec.weight, key, format_match(pc.format_pattern)))
+        elif spec.name == "reasoning_gym":
+            require("reasoning_gym", key)
+            out.append(Reward("reasoning_gym", spec.weight, key, reasoning_gym))
         elif spec.name == ENVIRONMENT:
             out.append(Reward(ENVIRONMENT, spec.weight, key, environment_reward))
         elif spec.name == "length":

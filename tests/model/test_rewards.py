@@ -3,6 +3,7 @@
 (data.prompts: {prompt, answer}, conversations, GSM8K's #### answers)."""
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -210,3 +211,38 @@ def test_pass_at_k_counts_an_item_passed_when_any_of_its_k_samples_is_right(monk
     items = [{"prompt": [{"role": "user", "content": "a"}], "answer": "3"},
              {"prompt": [{"role": "user", "content": "b"}], "answer": "4"}]
     assert generation.passes(None, None, items, [exact], 3, 8, 0, 8, False) == {"exact_match": [1.0, 0.0]}
+
+
+def test_reasoning_gym_items_held_out_from_their_own_seed_and_scored_by_their_dataset():
+    cfg = load_config(TINY, ["data.prompts={path: reasoning_gym:basic_arithmetic, size: 60, held_out_size: 20, "
+                             "options: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}",
+                             "preference.rewards=[{name: reasoning_gym}]", "preference.algorithm=grpo"])
+    split = splits.online_prompts(cfg.data)
+    train = {str(it["prompt"]) for it in split.train}
+    assert len(split.train) == 60 and 0 < len(split.val) <= 20
+    assert not train & {str(it["prompt"]) for it in split.val}  # a held-out item asked in training is dropped
+    assert splits.eval_set(cfg.data, "grpo").items == split.val
+    again = load_config(TINY, ["data.prompts={path: reasoning_gym:basic_arithmetic, size: 60, held_out_size: 20, "
+                               "seed: 1, options: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}"])
+    assert splits.source_fingerprint(cfg.data, "prompts") != splits.source_fingerprint(again.data, "prompts")
+    (graded,) = rewards.build(cfg.preference)
+    items = split.val[:3]
+    entries = {"reasoning_gym": [it["reasoning_gym"] for it in items]}
+    right = [f" {it['answer']} " for it in items]
+    assert graded(None, right, [None] * 3, entries) == [1.0, 1.0, 1.0]  # the dataset's own score_answer
+    assert graded(None, ["x", right[1], str(int(items[2]["answer"]) + 1)], [None] * 3, entries) == [0.0, 1.0, 0.0]
+
+
+def test_reasoning_gym_mistakes_are_one_line_naming_the_key(monkeypatch):
+    with pytest.raises(UserError, match=r"data.prompts: reasoning-gym has no dataset 'basic_arithmetc'; did you mean "
+                                        r"basic_arithmetic"):
+        load_config(TINY, ["data.prompts=reasoning_gym:basic_arithmetc"])
+    with pytest.raises(UserError, match=r"data.prompts.options: reasoning-gym's basic_arithmetic refuses"):
+        load_config(TINY, ["data.prompts={path: reasoning_gym:basic_arithmetic, options: {bogus: 1}}"])
+    with pytest.raises(UserError, match=r"preference.rewards\[0\] \(reasoning_gym\) scores reasoning-gym's items, "
+                                        r"but data.prompts is None"):
+        load_config(TINY, ["preference.rewards=[{name: reasoning_gym}]", "preference.algorithm=grpo"])
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # not installed
+    with pytest.raises(UserError, match=r"data.prompts: reasoning_gym:gcd needs reasoning-gym, which is not installed "
+                                        r".*pip install 'gptforge\[environments\]'"):
+        load_config(TINY, ["data.prompts=reasoning_gym:gcd"])

@@ -30,6 +30,7 @@ from gptforge.core.config.training import (CURATE_FILTERS, REWARD_BUILT_IN, Cura
                                            DistillSection, DPOSection, EvalSection, GRPOSection, OnlineSection,
                                            PPOSection, PreferenceSection, PretrainSection, RewardSection, RewardSpec,
                                            RLOOSection, SFTSection, TrainSection)
+from gptforge.core import procedural
 from gptforge.core.declarations import TRAINED_SECTIONS, ULYSSES_SPLITS
 from gptforge.core.errors import ConfigError
 
@@ -114,6 +115,10 @@ class PipelineConfig(Section):
             raise ValueError(f"preference.rewards[{i}] ({name}) compares responses with reference answers, but the "
                              f"prompts are data.preference's ({self.data.preference.path!r}), which have none: set "
                              "data.prompts to rows with answers ({prompt, answer}, or GSM8K's question/answer)")
+        graded = [i for i, r in enumerate(pc.rewards) if r.url is None and r.name == "reasoning_gym"]
+        if online and graded and not procedural.is_procedural(self.data.prompts.path):
+            raise ValueError(f"preference.rewards[{graded[0]}] (reasoning_gym) scores reasoning-gym's items, but "
+                             f"data.prompts is {self.data.prompts.path!r}: set it to reasoning_gym:<dataset>")
         if self.reward.enabled and self.reward.policy_samples and self.data.preference.path != "demo":
             raise ValueError(f"reward.policy_samples needs data.preference: demo (the verifier knows the demo's "
                              f"answers), not {self.data.preference.path!r}; set it to 0")

@@ -67,18 +67,40 @@ class SourceSection(Section):
         return {"path": data} if isinstance(data, str) else data
 
 
-class EvalSourceSection(SourceSection):
+class TaskSourceSection(SourceSection):
+    """A source of prompts, which may be a procedural task library's dataset (`reasoning_gym:<dataset>`, generated
+    from `seed`: `size` items to train on and `held_out_size` held out, drawn from another seed)."""
+
+    size: int = Setting(1000, ge=1, description="reasoning_gym: the number of items generated to train on.")
+    held_out_size: int = Setting(200, ge=1, description="reasoning_gym: the number of held-out items, generated from "
+                                 "a seed of their own (those whose question is also a training item's are dropped).")
+    seed: int = Setting(0, description="reasoning_gym: the seed of the items (the held-out items' is derived from it).")
+    options: dict = Setting({}, description="reasoning_gym: the dataset's configuration (its config class's fields, "
+                            "e.g. {min_terms: 2, max_terms: 2}).")
+
+    @model_validator(mode="after")
+    def _known_library(self):
+        from gptforge.core import procedural
+
+        if procedural.is_procedural(self.path):
+            procedural.check(self, "data.prompts" if isinstance(self, PromptSourceSection) else "data.eval")
+        return self
+
+
+class EvalSourceSection(TaskSourceSection):
     """Where the evaluation steps' prompts come from; a plain string in the YAML is its `path`."""
 
     path: str | None = Setting(None, description="None: the rows held out of data.sft / data.preference; else a "
                                "source of prompts with optional answers ({prompt, answer}) or conversations.")
 
 
-class PromptSourceSection(SourceSection):
+class PromptSourceSection(TaskSourceSection):
     """Where the online stages' prompts come from; a plain string in the YAML is its `path`."""
 
     path: str | None = Setting(None, description="None: the preference pairs' prompts; else {prompt, answer} rows, "
-                               "conversations ending in the reference, or GSM8K question/answer rows (#### 42).")
+                               "conversations ending in the reference, GSM8K question/answer rows (#### 42), or "
+                               "reasoning_gym:<dataset> (reasoning-gym's procedural tasks, scored by the reward "
+                               "{name: reasoning_gym}).")
 
 
 class DataSection(Section):
