@@ -45,13 +45,13 @@ class Agent:
 def agent_spec(pc, fmt: str, max_length: int) -> dict:
     """What a rollout worker builds an `Agent` from (plain data, `spec_agent`): the preference section `pc`'s
     environment, tools and their settings, the policy's call format and an episode's length budget."""
-    return {"environment": pc.environment, "tools": pc.tools, "timeout": pc.tool_timeout_s,
+    return {"environment": pc.environment, "url": pc.environment_url, "tools": pc.tools, "timeout": pc.tool_timeout_s,
             "concurrency": pc.tool_concurrency, "fmt": fmt, "max_turns": pc.max_turns, "max_length": max_length}
 
 
 def spec_agent(spec: dict) -> Agent:
     """The `Agent` of an `agent_spec`, its environment and tools imported and checked."""
-    setup = Setup.load(spec["environment"], spec["tools"], spec["timeout"], spec["concurrency"])
+    setup = Setup.load(spec["environment"], spec["tools"], spec["timeout"], spec["concurrency"], spec["url"])
     return Agent(setup, spec["fmt"], spec["max_turns"], spec["max_length"])
 
 
@@ -64,7 +64,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # each token's log-probability when sampled (0 off the mask)
     toolbox: Toolbox | Finished | None = None
     turns: int = 0
-    ended: str = ""  # answer (a turn without calls), max_turns, max_length, or truncated (a turn cut by the budget)
+    ended: str = ""  # answer (a turn without calls), environment (it is done), max_turns, max_length, or truncated
 
     @property
     def response(self) -> str:
@@ -185,15 +185,18 @@ def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, 
             e.messages.append(parsed.message())
             if not stopped:
                 e.ended = "truncated"
-            elif not parsed.calls or e.toolbox is None:
+            elif e.toolbox is None or not (parsed.calls or e.toolbox.responds):
                 e.ended = "answer"
             elif e.turns >= max_turns:
                 e.ended = "max_turns"
-            else:
-                calling.append((e, turn, parsed.calls))
-        answered = calls.map(lambda c: [tool_message(c[0].toolbox, name, args) for name, args in c[2]], calling)
+            else:  # its calls run, or (none written) its environment responds, before its next turn
+                calling.append((e, turn, parsed.calls or parsed.message()["content"]))
+        answered = calls.map(lambda c: answer(c[0].toolbox, c[2]), calling)
         still = []
         for (e, turn, _), results in zip(calling, answered, strict=True):
+            if results is None:
+                e.ended = "environment"  # the environment is done
+                continue
             between = between_turns(tokenizer, e, results, tokenizer.decode(turn[-1:]))
             if len(e.prompt_ids) + len(e.ids) + len(between) >= max_length:
                 e.ended = "max_length"  # the results would leave no room for another turn
@@ -205,6 +208,15 @@ def run_episodes(sample: Sampler, tokenizer, episodes: list[Episode], fmt: str, 
             still.append(e)
         open_ = still
     return episodes
+
+
+def answer(box: Toolbox, calls: list | str) -> list[dict] | None:
+    """What follows a turn: its calls' results (each episode's in the order written), or, where it wrote none, its
+    environment's response to its text; None: the environment is done."""
+    if isinstance(calls, str):
+        response = box.respond(calls)
+        return None if response is None else [response]
+    return [tool_message(box, name, args) for name, args in calls]
 
 
 def tool_message(box: Toolbox, name: str | None, arguments) -> dict:

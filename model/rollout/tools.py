@@ -4,7 +4,11 @@ gptforge's PPO and TRL's GRPOTrainer (`environment_factory`, `tools`):
 - an environment factory (`package.module:Factory`) builds one environment per rollout; `reset(**row)` gives the
   first observation (appended to the prompt's last user turn where it returns text); its public methods, with type
   hints and docstrings, are its tools; an optional `get_reward()` scores the episode;
-- stateless tools (`package.module:function`), with type hints and docstrings.
+- stateless tools (`package.module:function`), with type hints and docstrings;
+- gptforge's one addition: an environment with a `respond(text)` method answers each turn of the policy that calls
+  no tool (the user turn the policy reads next; None ends the episode), as a text game or a simulated user does.
+
+Environments of other libraries (OpenEnv) are adapted to these conventions (gptforge.model.rollout.environments).
 
 A call runs with a timeout. An exception, a timeout, an unknown tool or bad arguments become the tool's error
 message to the model, never a crashed stage. A call that times out keeps its thread (Python cannot stop one; an
@@ -32,6 +36,8 @@ def schema(fn: Callable, key: str) -> dict:
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
+    if hasattr(fn, "json_schema"):  # an adapted environment's tool says its schema (an OpenEnv action's)
+        return fn.json_schema
     try:
         return get_json_schema(fn)
     except (DocstringParsingException, TypeHintParsingException) as e:
@@ -41,10 +47,10 @@ def schema(fn: Callable, key: str) -> dict:
 
 
 def environment_tools(env) -> dict[str, Callable]:
-    """An environment's tools: its public methods but `reset` and `get_reward`, as TRL's GRPOTrainer takes them
-    (listed on the class, so that properties are not evaluated)."""
+    """An environment's tools: its public methods but `reset`, `get_reward` and `respond`, as TRL's GRPOTrainer
+    takes them (listed on the class, so that properties are not evaluated)."""
     return {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-            if not name.startswith("_") and name not in ("reset", "get_reward")}
+            if not name.startswith("_") and name not in ("reset", "get_reward", "respond")}
 
 
 @dataclass
@@ -63,11 +69,14 @@ class Setup:
     @classmethod
     def of(cls, pc) -> Setup:
         """The rollouts' environment and tools as the preference section `pc` names them."""
-        return cls.load(pc.environment, pc.tools, pc.tool_timeout_s, pc.tool_concurrency)
+        return cls.load(pc.environment, pc.tools, pc.tool_timeout_s, pc.tool_concurrency, pc.environment_url)
 
     @classmethod
-    def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1) -> Setup:
-        factory = user_function(environment, "preference.environment") if environment else None
+    def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1,
+             url: str | None = None) -> Setup:
+        from gptforge.model.rollout import environments
+
+        factory = environments.factory(environment, url, timeout_s)
         functions = [user_function(spec, "preference.tools") for spec in tools]
         for fn in functions:
             schema(fn, "preference.tools")
@@ -159,6 +168,21 @@ class Toolbox:
         record.seconds = time.perf_counter() - t0
         self.calls.append(record)
         return record
+
+    @property
+    def responds(self) -> bool:
+        """Whether the environment answers a turn that calls no tool (its `respond(text)`)."""
+        return callable(getattr(self.env, "respond", None))
+
+    def respond(self, text: str) -> dict | None:
+        """The environment's answer to a turn that called no tool, as the user turn the policy reads next; None: the
+        episode is over (the environment said so, or its call failed: the error is recorded as a call)."""
+        try:
+            answer = self.run("respond", lambda: self.env.respond(text))
+        except BaseException as e:  # noqa: BLE001 (the trajectory names it; the stage goes on)
+            self.calls.append(Call("respond", {}, error=f"{type(e).__name__}: {e}"))
+            return None
+        return None if answer is None else {"role": "user", "content": str(answer)}
 
     def reward(self) -> float | None:
         """The environment's own `get_reward()`, under the timeout (None: it has none, or it failed, its error then

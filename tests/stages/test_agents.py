@@ -128,3 +128,44 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
         errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
         assert proc.returncode != 0 and len(errors) == 1 and line in errors[0], (overrides, proc.stderr[-800:])
         assert not (tmp_path / "runs" / "store").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_an_openenv_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, monkeypatch):
+    """An OpenEnv environment served by openenv's own app (tests/openenv_game.py, a text game of three turns, each
+    turn of the policy its action): every episode is a session, its observations the user turns between the
+    policy's, its reward the server's."""
+    import shutil
+
+    from tests import openenv_game as game
+
+    shutil.copy(game.__file__, tmp_path / "openenv_game.py")  # the user's module, in the working folder
+    monkeypatch.chdir(tmp_path)
+    url, stop = game.serve(game.Tally, game.Say, game.Heard)
+    game.LOG.clear()
+    try:
+        trainer = PPO if algorithm == "ppo" else [f"preference.algorithm={algorithm}", "distributed.zero_stage=2",
+                                                  f"preference.{algorithm}.ptx_coef=0"]
+        cfg, path = prepared(chain, tmp_path / "run", *trainer, "preference.max_steps=2", "preference.log_every=1",
+                             "preference.environment=openenv:openenv_game:TallyClient",
+                             f"preference.environment_url={url}", "preference.max_turns=3",
+                             "preference.max_length=128", f"preference.{algorithm}.max_new_tokens=16",
+                             "preference.rewards=[{name: reward_model}, {name: environment}]")
+        manifest, out_dir, _ = run_stage(cfg, path, algorithm)
+    finally:
+        stop()
+    assert manifest["metrics"]["global_step"] == 2
+    assert len(logged(out_dir, "rewards/environment")) == 2
+    for step in (1, 2):
+        for e in episodes_of(out_dir, step):
+            said = [m["content"] for m in e["messages"] if m["role"] == "assistant"]
+            assert e["messages"][0]["content"].endswith(" (three turns)")  # reset's observation
+            heard = [m["content"] for m in e["messages"][2::2]]
+            assert heard == [f"turn {k + 1}: {len(s)} characters" for k, s in enumerate(said[:len(heard)])]
+            if e["ended"] == "environment":  # the server's reward of the three turns it heard
+                assert len(said) == 3 and e["rewards"]["environment"] == pytest.approx(game.tally_reward(said))
+            else:
+                assert e["rewards"]["environment"] == 0.0  # ended before the game did: no reward
+    said = {m["content"] for step in (1, 2) for e in episodes_of(out_dir, step) for m in e["messages"]
+            if m["role"] == "assistant"}
+    assert game.LOG and said & {message for _, message, _ in game.LOG}  # the server heard the policy's turns

@@ -101,14 +101,15 @@ class OnlineSection(SamplingSection):
 
 
 REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length",  # gptforge.model.rewards
-                   "environment")
+                   "environment", "reasoning_gym")
 
 
 class RewardSpec(Section):
     """One reward of the online stages: a built-in or the user's function by `name`, or a reward server at `url`."""
 
     name: str | None = Setting(None, description="reward_model, exact_match, math_equal, format, length, "
-                               "environment (its get_reward()), or the user's package.module:function(prompts, "
+                               "environment (its get_reward()), reasoning_gym (the dataset's score_answer, on "
+                               "reasoning_gym:<dataset> prompts), or the user's package.module:function(prompts, "
                                "responses, answers, **row) -> list[float] (row: messages, the whole trajectory, and "
                                "the prompt's columns); with url, the name its metric is logged under (default "
                                "remote).")
@@ -215,7 +216,11 @@ class PreferenceSection(TrainSection):
                                     "SFT model (with adapters: the policy with its adapters disabled).")
     environment: str | None = Setting(None, description="package.module:Factory, one environment a rollout (TRL's "
                                       "conventions): reset(**row), its public methods as tools, get_reward() "
-                                      "optional.")
+                                      "optional, respond(text) to answer a turn that calls no tool; or "
+                                      "openenv:package.module:EnvClient, an OpenEnv environment served at "
+                                      "environment_url (docs/environments.md).")
+    environment_url: str | None = Setting(None, description="openenv: the environment server's address (its "
+                                          "websocket, http://host:port); one session an episode.")
     tools: list[str] = Setting([], description="Stateless tools for the rollouts, package.module:function, each with "
                                "type hints and a docstring.")
     max_turns: int = Setting(4, ge=1, description="Turns of the policy in one rollout with tools; a turn that calls "
@@ -254,6 +259,9 @@ class PreferenceSection(TrainSection):
         if "environment" in [r.name for r in self.rewards if r.url is None] and not self.environment:
             raise ValueError("preference.rewards names environment but preference.environment is not set; set the "
                              "factory of the environment whose get_reward() it is")
+        if (self.environment or "").startswith("openenv:") != bool(self.environment_url):
+            raise ValueError("preference.environment_url is the address of an openenv: environment's server: set "
+                             "both or neither")
         if "format" in [r.name for r in self.rewards if r.url is None]:
             if not self.format_pattern:
                 raise ValueError("preference.rewards names format but preference.format_pattern is not set; set the "
