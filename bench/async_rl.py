@@ -7,7 +7,9 @@ with the same settings and samples per step, over several seeds.
 
 With `--tool-latency S`, the workload async exists for: bench/agentic.py's task, its tool waiting S seconds a call
 (a sandbox, an HTTP call), run sync with the tools in turn (preference.tool_concurrency 1), sync with them at once,
-and async; the tool phase of each step (tool_wait_s) is reported beside the step time.
+and async; the tool phase of each step (tool_wait_s) is reported beside the step time. `--reward-latency S` adds
+a reward server (a judge standing in: exact match, answered after S seconds, on 127.0.0.1) in place of the built-in
+exact match; `--modes` picks the modes (the tools in turn cost a minute a step at a 1 s tool).
 
 Reported: the step time of each (the mean time between the ends of consecutive updates, the first step left
 out), their ratio sync / async, the held-out exact match of each policy (mean ± standard error over the seeds),
@@ -25,6 +27,9 @@ import os
 import shutil
 import statistics
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,6 +64,30 @@ def waiting_task(root: Path, latency: float, algorithms: list[str], steps_data: 
     settings = overrides(root, argparse.Namespace(algorithms=algorithms, **steps_data))
     (root / "agentic_tools.py").write_text(WAITING_TOOL.replace("{latency}", repr(latency)))
     return [s for s in settings if not s.startswith("preference.algorithm=")]
+
+
+def judge(latency: float) -> str:
+    """A reward server in this process on 127.0.0.1 that answers each batch after `latency` seconds with exact
+    match (gptforge's built-in): a slow judge. Its URL."""
+
+    class Judge(BaseHTTPRequestHandler):
+        def do_POST(self):
+            batch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            time.sleep(latency)
+            body = json.dumps({"rewards": [float(str(r).strip() == str(a).strip())
+                                           for r, a in zip(batch["responses"], batch["answers"])]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}/score"
 
 
 def step_time(timeline: list[dict]) -> float:
@@ -120,6 +149,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tool-latency", type=float, default=None,
                         help="the workload async exists for: bench/agentic.py's task with a tool that waits this many "
                              "seconds a call, run sync with its tools in turn, sync with them at once, and async")
+    parser.add_argument("--reward-latency", type=float, default=None,
+                        help="--tool-latency: score with a reward server that answers after this many seconds")
+    parser.add_argument("--modes", nargs="+", default=None, choices=[*MODES, "in-turn"],
+                        help="the modes to run (default: all; with --tool-latency the tools in turn too)")
     parser.add_argument("--agentic-data", type=int, nargs=4, default=[20000, 4000, 4000, 8000],
                         metavar=("DOCUMENTS", "CALLS", "PROBLEMS", "DEMONSTRATIONS"),
                         help="--tool-latency: bench/agentic.py's data sizes")
@@ -135,6 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
             "flaws": 0.6}) + args.set
         os.chdir(args.root)  # the stages import the tool from their working folder
         modes = {**MODES, **IN_TURN}
+        if args.reward_latency is not None:
+            args.set.append(f"preference.rewards=[{{name: judge, url: '{judge(args.reward_latency)}'}}]")
+    if args.modes:
+        modes = {mode: extra for mode, extra in modes.items() if (mode in IN_TURN and "in-turn" in args.modes)
+                 or mode in args.modes}
     from gptforge.core.config import load_config
     from gptforge.pipeline.store import locate
 
@@ -192,15 +230,20 @@ def main(argv: list[str] | None = None) -> dict:
     for (algorithm, mode), got in results.items():  # both modes did the same work: the same steps and updates
         print(f"work: {algorithm} {mode}: {got['steps']} steps, {got['updates']} updates")
     for algorithm in args.algorithms:
-        if (algorithm, "sync, tools in turn") in results:
+        if (algorithm, "sync, tools in turn") in results and (algorithm, "sync") in results:
             turn, once = results[algorithm, "sync, tools in turn"], results[algorithm, "sync"]
             if turn["tool_wait_s"] and once["tool_wait_s"]:
                 each = [a / b for a, b in zip(turn["tool_wait_s"], once["tool_wait_s"])]
                 print(f"{algorithm} tool phase in turn / at once: {statistics.mean(each):.2f}x (per seed: "
                       f"{', '.join(f'{r:.2f}' for r in each)})")
-            share = [w / s for w, s in zip(once["tool_wait_s"], once["step_s"])]
-            if share:
-                print(f"{algorithm} waiting on tools, share of a sync step: {statistics.mean(share):.0%}")
+        if (algorithm, "sync") not in results or (algorithm, "async") not in results:
+            continue
+        once = results[algorithm, "sync"]
+        waited = [w + (args.reward_latency or 0) for w in once["tool_wait_s"]]  # the judge answers once a step
+        if waited:
+            share = [w / s for w, s in zip(waited, once["step_s"])]
+            print(f"{algorithm} waiting on tools{' and the judge' if args.reward_latency else ''}, share of a sync "
+                  f"step: {statistics.mean(share):.0%}")
         each = [s / a for s, a in zip(results[algorithm, "sync"]["step_s"], results[algorithm, "async"]["step_s"])]
         ratios[algorithm] = statistics.mean(each)
         print(f"{algorithm} step time sync / async: {ratios[algorithm]:.2f}x (per seed: "
