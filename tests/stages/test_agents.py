@@ -169,3 +169,30 @@ def test_an_openenv_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, 
     said = {m["content"] for step in (1, 2) for e in episodes_of(out_dir, step) for m in e["messages"]
             if m["role"] == "assistant"}
     assert game.LOG and said & {message for _, message, _ in game.LOG}  # the server heard the policy's turns
+
+
+def test_grpo_on_a_reasoning_gym_dataset_is_scored_by_the_datasets_own_check(chain, tmp_path):
+    """data.prompts: reasoning_gym:<dataset> and the reward {name: reasoning_gym} through GRPO and its evaluation:
+    the held-out items are the dataset's, and their accuracy is the dataset's score_answer of the answers written."""
+    from gptforge.core import procedural
+
+    cfg, path = prepared(chain, tmp_path / "run", "preference.algorithm=grpo", "distributed.zero_stage=2",
+                         "preference.grpo.ptx_coef=0", "preference.max_steps=2", "preference.log_every=1",
+                         "data.prompts={path: reasoning_gym:basic_arithmetic, size: 64, held_out_size: 12, "
+                         "options: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}",
+                         "preference.rewards=[{name: reasoning_gym}]")
+    manifest, _, _ = run_stage(cfg, path, "grpo")
+    assert manifest["metrics"]["global_step"] == 2
+    report, eval_dir, _ = run_stage(cfg, path, "eval-grpo")
+    rows = [json.loads(line) for line in (eval_dir / "answers.jsonl").read_text().splitlines()]
+    held = splits_of(cfg).val
+    assert [r["prompt"] for r in rows] == [it["prompt"] for it in held] and len(rows) >= 10
+    for key, response in (("accuracy/reasoning_gym", "response"), ("sft_accuracy/reasoning_gym", "sft_response")):
+        scores = procedural.score([r[response] for r in rows], [it["reasoning_gym"] for it in held])
+        assert report["metrics"][key] == pytest.approx(sum(scores) / len(rows), abs=1e-6), key
+
+
+def splits_of(cfg):
+    from gptforge.data import splits
+
+    return splits.online_prompts(cfg.data)
