@@ -54,16 +54,25 @@ class Tally(Environment[Say, Heard, State]):
         return self._state
 
 
-class TallyClient(EnvClient[Say, Heard, State]):
-    def _step_payload(self, action: Say) -> dict:
+class Client:
+    """What both clients do alike: an action sent as its fields, an observation of `observation`'s fields."""
+
+    observation: type
+
+    def _step_payload(self, action) -> dict:
         return action.model_dump()
 
     def _parse_result(self, payload: dict) -> StepResult:
-        obs = Heard(**payload.get("observation", {}), reward=payload.get("reward"), done=payload.get("done", False))
-        return StepResult(observation=obs, reward=payload.get("reward"), done=payload.get("done", False))
+        reward, done = payload.get("reward"), payload.get("done", False)
+        obs = self.observation(**payload.get("observation", {}), reward=reward, done=done)
+        return StepResult(observation=obs, reward=reward, done=done)
 
     def _parse_state(self, payload: dict) -> State:
         return State(**payload)
+
+
+class TallyClient(Client, EnvClient[Say, Heard, State]):
+    observation = Heard
 
 
 class StepAction(Action):
@@ -95,16 +104,8 @@ class Walk(Environment[StepAction, Where, State]):
         return self._state
 
 
-class WalkClient(EnvClient[StepAction, Where, State]):
-    def _step_payload(self, action: StepAction) -> dict:
-        return action.model_dump()
-
-    def _parse_result(self, payload: dict) -> StepResult:
-        obs = Where(**payload.get("observation", {}), reward=payload.get("reward"), done=payload.get("done", False))
-        return StepResult(observation=obs, reward=payload.get("reward"), done=payload.get("done", False))
-
-    def _parse_state(self, payload: dict) -> State:
-        return State(**payload)
+class WalkClient(Client, EnvClient[StepAction, Where, State]):
+    observation = Where
 
 
 def serve(env: type, action: type, observation: type, sessions: int = 64):
