@@ -61,12 +61,14 @@ class Unit:
 
 
 def kind_of(path: str) -> str:
-    """'demo', 'procedural' (reasoning_gym:<dataset>), 'local' or 'hub'. A path with a known extension, a glob or an
-    existing path is local."""
+    """'demo', 'procedural' (reasoning_gym:<dataset>), 'tasks' (verifiers:<id>), 'local' or 'hub'. A path with a
+    known extension, a glob or an existing path is local."""
     if path == "demo":
         return "demo"
     if procedural.is_procedural(path):
         return "procedural"
+    if procedural.is_taskset(path):
+        return "tasks"
     if any(c in path for c in GLOB_CHARS) or path.endswith(EXTENSIONS) or os.path.exists(path):
         return "local"
     return "hub"
@@ -109,6 +111,8 @@ def units(source, demo_docs: int = 0, split_files: bool = True) -> list[Unit]:
         return [Unit("demo", "demo", 0, demo_docs)]
     if kind == "procedural":
         return [Unit("procedural", source.path, 0, source.size)]
+    if kind == "tasks":
+        return [Unit("tasks", source.path)]
     if kind == "hub":
         return _hub_units(source)
     if Path(source.path).is_dir() and is_dataset_folder(Path(source.path)):
@@ -188,6 +192,8 @@ def read_unit(unit: Unit, source, demo_settings=None) -> Iterator[Row]:
         return _read_hub(unit, source)
     if unit.kind == "procedural":
         return (Row(source.path, i + 1, row) for i, row in procedural.items(source))
+    if unit.kind == "tasks":
+        return (Row(source.path, i + 1, row) for i, row in procedural.tasks(source))
     from gptforge.data import demo
 
     docs = demo.from_settings(demo_settings, "pretrain").pretrain
@@ -401,6 +407,8 @@ def fingerprint_source(source, demo_settings: dict, cache_dir: Path | None = Non
         h.update(json.dumps({"demo": demo_settings}, sort_keys=True).encode())
     elif kind == "procedural":
         h.update(json.dumps(procedural.fingerprint(source), sort_keys=True).encode())
+    elif kind == "tasks":
+        h.update(json.dumps(procedural.tasks_fingerprint(source), sort_keys=True).encode())
     else:
         h.update(json.dumps({"hub": source.path, "subset": source.subset, "split": source.split,
                              "commit": resolve_revision(source)}).encode())

@@ -1,7 +1,12 @@
-"""Procedural task libraries as sources of prompts: `data.prompts: reasoning_gym:<dataset>` (reasoning-gym, the
-`environments` extra) generates `size` items from `seed` to train on and `held_out_size` held out from a seed of
-their own, each a row {question, answer, reasoning_gym} whose last column (JSON: the dataset, its answer and
-metadata) is what the reward `{name: reasoning_gym}` scores a response with: the dataset's own `score_answer`."""
+"""Task libraries as sources of prompts (the `environments` extra):
+
+- `data.prompts: reasoning_gym:<dataset>` (reasoning-gym) generates `size` items from `seed` to train on and
+  `held_out_size` held out from a seed of their own, each a row {question, answer, reasoning_gym} whose last column
+  (JSON: the dataset, its answer and metadata) is what the reward `{name: reasoning_gym}` scores a response with:
+  the dataset's own `score_answer`;
+- `data.prompts: verifiers:<id>`: a verifiers environment's taskset, each task a row {prompt, answer (where its data
+  has one), verifiers_task (its index)}, every 20th held out as a file's rows are; the environment's harness then
+  runs the task itself (gptforge.model.rollout.environments.verifiers)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from gptforge.core.extras import require
 
 PREFIX = "reasoning_gym:"
 COLUMN = "reasoning_gym"  # the rows' column the reward reads
+TASKS = "verifiers:"
+TASK = "verifiers_task"  # the rows' column naming the task the driver runs
 
 
 def is_procedural(path: str | None) -> bool:
@@ -86,3 +93,48 @@ def score(responses: list[str], entries: list[str | None]) -> list[float]:
         fn = get_score_answer_fn(e["dataset"])
         out.append(float(fn(answer=response.strip(), entry={k: e[k] for k in ("question", "answer", "metadata")})))
     return out
+
+
+# --- verifiers' tasksets ---
+
+
+def is_taskset(path: str | None) -> bool:
+    return path is not None and path.startswith(TASKS)
+
+
+def load_verifiers(spec: str, key: str):
+    """The verifiers environment of id `spec` (a module of the working folder or an installed package exporting its
+    Taskset, Harness or Env, as verifiers resolves ids); one ConfigError naming `key` where it does not load."""
+    require("verifiers", f"{key}: verifiers:{spec}")
+    import os
+    import sys
+
+    import verifiers.v1 as vf
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return vf.load_environment(vf.resolve_env_config({"taskset": {"id": spec}}))
+    except Exception as e:  # noqa: BLE001 (the library's own error, named)
+        raise ConfigError(f"{key}: verifiers:{spec} does not load: {type(e).__name__}: {e}") from None
+
+
+def tasks(source) -> Iterator[tuple[int, dict]]:
+    """(index, row) of a verifiers taskset's tasks: {prompt, answer, verifiers_task}."""
+    env = load_verifiers(source.path.removeprefix(TASKS), "data.prompts")
+    for i, task in enumerate(env.taskset):
+        data = task.data
+        prompt = data.prompt if data.prompt is not None else ""
+        if isinstance(prompt, list):
+            prompt = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in prompt]
+        answer = getattr(data, "answer", None)
+        yield i, {"prompt": prompt, "answer": None if answer is None else str(answer), TASK: data.idx}
+
+
+def tasks_fingerprint(source) -> dict:
+    """The tasks' content and the library's version."""
+    import hashlib
+    from importlib.metadata import version
+
+    rows = hashlib.sha256(json.dumps([r for _, r in tasks(source)], default=str, sort_keys=True).encode())
+    return {"verifiers": source.path, "tasks": rows.hexdigest(), "version": version("verifiers")}

@@ -125,10 +125,12 @@ def start(tokenizer, prompt: list[dict], box: Toolbox | None) -> Episode:
     return Episode(messages, list(ids), toolbox=box)
 
 
-def between_turns(tokenizer, episode: Episode, results: list[dict], end_of_turn: str) -> list[int]:
+def between_turns(tokenizer, episode: Episode, results: list[dict], end_of_turn: str,
+                  tools: list[dict] | None = None) -> list[int]:
     """The ids the template puts after the policy's turn (whose end-of-turn token was sampled): the tool turn of
-    `results` and the next generation prompt."""
-    tools = episode.toolbox.schemas if episode.toolbox is not None else None
+    `results` and the next generation prompt (`tools`: the schemas rendered, else the episode's toolbox's)."""
+    if tools is None and episode.toolbox is not None:
+        tools = episode.toolbox.schemas
     before = render(tokenizer, episode.messages, tools, False)
     after = render(tokenizer, episode.messages + results, tools, True)
     if not after.startswith(before):
@@ -142,7 +144,13 @@ def between_turns(tokenizer, episode: Episode, results: list[dict], end_of_turn:
 def rollouts(setup: Setup, sample: Sampler, tokenizer, rows: list[dict], fmt: str, max_turns: int, max_length: int,
              stop_ids: set[int], everyone: Callable[[bool], bool] | None = None) -> list[Episode]:
     """One episode a prompt row ({"prompt": messages, "answer", **columns}): a fresh environment reset with the row,
-    then `run_episodes`."""
+    then `run_episodes`; or, where the environment's own harness drives its episodes (verifiers), its driver's."""
+    if setup.driver is not None:
+        if everyone is not None:
+            raise UserError("preference.environment: a verifiers environment's episodes are sampled by one process "
+                            "at a time; with a model partitioned by ZeRO-3 use async rollouts "
+                            "(preference.rollout.mode: async) or distributed.zero_stage below 3")
+        return setup.driver.rollouts(sample, tokenizer, rows, fmt, max_turns, max_length, stop_ids)
     boxes = setup.calls.map(setup.toolbox, rows)  # the environments reset at once
     episodes = [start(tokenizer, row["prompt"], box) for row, box in zip(rows, boxes, strict=True)]
     longest = max(len(e.prompt_ids) for e in episodes)

@@ -62,6 +62,7 @@ class Setup:
     tools: list[Callable]
     timeout_s: float
     concurrency: int = 1
+    driver: object | None = None  # runs whole episodes where the environment's own harness drives them (verifiers)
 
     def __post_init__(self):
         self.calls = Concurrent(self.concurrency)
@@ -87,7 +88,7 @@ class Setup:
                                   "no reset(**row) method")
             for fn in environment_tools(probe).values():
                 schema(fn, "preference.environment")
-        return cls(factory, functions, timeout_s, concurrency)
+        return cls(factory, functions, timeout_s, concurrency, environments.driver(environment, concurrency))
 
     def toolbox(self, row: dict) -> Toolbox:
         """A new episode's tools: a fresh environment reset with the prompt's row, and the stateless tools."""

@@ -2,7 +2,10 @@
 environment served by openenv's own app, each episode a session of it, token-exact, concurrent; and the mistakes a
 user can make naming one, each one error line. (Through the stages: tests/stages/test_agents.py.)"""
 
+import re
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,7 +89,7 @@ def test_openenv_mistakes_are_one_line_naming_the_key(tally, monkeypatch):
     with pytest.raises(UserError, match=r"preference.environment_url is the address of an openenv: environment's "
                                         r"server: set both or neither"):
         load_config(TINY, ["preference.environment=openenv:tests.openenv_game:TallyClient"])
-    monkeypatch.setitem(__import__("sys").modules, "openenv.core", None)  # not installed
+    monkeypatch.setitem(sys.modules, "openenv.core", None)  # not installed
     with pytest.raises(UserError, match=r"preference.environment: openenv:tests.openenv_game:TallyClient needs "
                                         r"openenv-core, which is not installed .*gptforge\[environments\]"):
         Setup.load("openenv:tests.openenv_game:TallyClient", [], timeout_s=10, url=tally)
@@ -104,3 +107,60 @@ class socket_closed:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_verifiers_episode_of_three_turns_through_the_endpoint_trains_the_sampled_ids(tokenizers, monkeypatch):  # noqa: F811
+    """verifiers' own harness and environment drive each episode against the policy behind gptforge's
+    OpenAI-compatible endpoint: a hint tool's call, a guess the environment answers "lower", the right guess."""
+    from gptforge.data import splits
+    from gptforge.model.rollout import endpoint as endpoints
+    from tests import verifiers_game
+
+    monkeypatch.syspath_prepend(str(Path(verifiers_game.__file__).parent))  # its id, a module of the working folder
+    monkeypatch.delitem(sys.modules, "verifiers_game", raising=False)  # (a stage test's copy, where one ran here)
+    tok = tokenizers["hermes"]
+    cfg = load_config(TINY, ["data.prompts=verifiers:verifiers_game", "preference.environment=verifiers:verifiers_game",
+                             "preference.algorithm=grpo"])
+    prompts = splits.online_prompts(cfg.data)
+    assert len(prompts.train) == 22 and len(prompts.val) == 2  # every 20th task held out
+    assert prompts.train[0] == {"prompt": [{"role": "user", "content": "Guess my number (1), from 1 to 9."}],
+                                "answer": "5", "verifiers_task": 1}
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    sampled: dict[int, list[list[int]]] = {}
+    addresses = []
+    opened = endpoints.Endpoint.open
+
+    def open_(self):
+        addresses.append(self.address)
+        return opened(self)
+
+    monkeypatch.setattr(endpoints.Endpoint, "open", open_)
+
+    def sample(sequences, budgets):  # the hint, then 8, then the secret
+        out = []
+        for seq in sequences:
+            text = tok.decode(seq)
+            task = int(re.search(r"number \((\d+)\)", text)[1])
+            turns = text.count("<|im_start|>assistant") - 1
+            reply = call_text("hermes", "hint", {}) if turns == 0 else "8" if turns == 1 else \
+                str(verifiers_game.SECRETS[task])
+            ids = tok(reply, add_special_tokens=False)["input_ids"] + [eot]
+            sampled.setdefault(task, []).append(ids)
+            out.append(ids)
+        return out
+
+    setup = Setup.of(cfg.preference)
+    rows = prompts.train[:3]
+    episodes = rollouts(setup, sample, tok, rows, "hermes", max_turns=4, max_length=2048, stop_ids={eot})
+    assert addresses and all(a.startswith("http://127.0.0.1:") for a in addresses)
+    for row, e in zip(rows, episodes):
+        task = row["verifiers_task"]
+        assert (e.turns, e.ended) == (3, "answer")
+        assert [m["role"] for m in e.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+        assert e.messages[1]["tool_calls"][0]["function"]["name"] == "hint" and e.messages[2]["content"] == "odd"
+        assert e.messages[4]["content"] == ("lower" if verifiers_game.SECRETS[task] < 8 else "higher")
+        own = [i for i, m in zip(e.ids, e.mask) if m]  # the ids trained are the ids sampled, in order
+        assert own == [i for turn in sampled[task] for i in turn]
+        whole = render(tok, e.messages, [verifiers_game.HINT], False)
+        assert tok.decode(e.prompt_ids + e.ids) == whole[:whole.rfind("<|im_end|>") + len("<|im_end|>")]
+    assert environment_rewards(episodes) == [1.0, 1.0, 1.0]  # verifiers' rubric: exact match on the last reply

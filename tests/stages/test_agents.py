@@ -196,3 +196,43 @@ def splits_of(cfg):
     from gptforge.data import splits
 
     return splits.online_prompts(cfg.data)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_verifiers_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, monkeypatch):
+    """A verifiers environment (tests/verifiers_game.py, verifiers.v1's own classes): its taskset the prompts, its
+    harness driving each episode against the policy behind gptforge's endpoint, its rubric's reward the reward."""
+    import re
+    from pathlib import Path
+
+    from tests import verifiers_game as game
+
+    # the user's module, in the working folder; its harness without its tool, whose schema alone would fill the tiny
+    # model's 128 positions
+    (tmp_path / "verifiers_game.py").write_text(Path(game.__file__).read_text().replace("TOOLS = [HINT]", "TOOLS = []"))
+    monkeypatch.chdir(tmp_path)
+    trainer = PPO if algorithm == "ppo" else [f"preference.algorithm={algorithm}", "distributed.zero_stage=2",
+                                              f"preference.{algorithm}.ptx_coef=0"]
+    cfg, path = prepared(chain, tmp_path / "run", *trainer, "preference.max_steps=2", "preference.log_every=1",
+                         "preference.environment=verifiers:verifiers_game", "data.prompts=verifiers:verifiers_game",
+                         "preference.max_turns=3", "preference.max_length=128",
+                         f"preference.{algorithm}.max_new_tokens=16", "preference.global_batch_size=8",
+                         "preference.rewards=[{name: reward_model}, {name: environment}]")
+    manifest, out_dir, _ = run_stage(cfg, path, algorithm)
+    assert manifest["metrics"]["global_step"] == 2
+    assert len(logged(out_dir, "rewards/environment")) == 2
+    answers = {f"Guess my number ({i}), from 1 to 9.": str(s) for i, s in enumerate(game.SECRETS)}
+    for step in (1, 2):
+        episodes = episodes_of(out_dir, step)
+        assert episodes
+        for e in episodes:
+            assert e["messages"][0]["content"] in answers and e["policy_tokens"] >= 1
+            said = [m for m in e["messages"] if m["role"] == "assistant"]
+            assert len(said) == e["turns"] <= 3
+            for m in e["messages"][1:]:
+                assert m["role"] in ("assistant", "tool", "user")
+                if m["role"] == "user":  # the environment, as the user, between the policy's turns
+                    assert m["content"] in ("higher", "lower")
+            found = re.findall(r"\d+", said[-1]["content"] or "")
+            right = float(bool(found) and found[-1] == answers[e["messages"][0]["content"]])
+            assert e["rewards"]["environment"] == (right if e["ended"] == "answer" else e["rewards"]["environment"])

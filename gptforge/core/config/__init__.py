@@ -115,6 +115,10 @@ class PipelineConfig(Section):
             raise ValueError(f"preference.rewards[{i}] ({name}) compares responses with reference answers, but the "
                              f"prompts are data.preference's ({self.data.preference.path!r}), which have none: set "
                              "data.prompts to rows with answers ({prompt, answer}, or GSM8K's question/answer)")
+        harnessed = (pc.environment or "").startswith(procedural.TASKS)
+        if online and harnessed and self.data.prompts.path != pc.environment:
+            raise ValueError(f"preference.environment {pc.environment} runs its own taskset's tasks: set data.prompts "
+                             f"to {pc.environment} too (now {self.data.prompts.path!r})")
         graded = [i for i, r in enumerate(pc.rewards) if r.url is None and r.name == "reasoning_gym"]
         if online and graded and not procedural.is_procedural(self.data.prompts.path):
             raise ValueError(f"preference.rewards[{graded[0]}] (reasoning_gym) scores reasoning-gym's items, but "
