@@ -75,6 +75,7 @@ class Endpoint:
         self.sessions: dict[str, Session] = {}
         self.requests: queue.Queue[Request] = queue.Queue()
         self._lock = threading.Lock()
+        self.shape: tuple = ()  # what it was made for (gptforge.model.rollout.environments.verifiers)
         self.server = ThreadingHTTPServer((host, port), handler(self))
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="policy-endpoint", daemon=True).start()
@@ -91,12 +92,18 @@ class Endpoint:
             self.sessions[key] = Session(key)
         return f"{self.address}/s/{key}/v1"
 
+    @staticmethod
+    def key(url: str) -> str:
+        return url.rstrip("/").split("/")[-2]
+
     def session(self, url: str) -> Session:
-        return self.sessions[url.rstrip("/").split("/")[-2]]
+        return self.sessions[self.key(url)]
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
 
     # --- sampling: the caller's thread (the one that holds the policy) ---
 

@@ -70,11 +70,12 @@ class Setup:
     @classmethod
     def of(cls, pc) -> Setup:
         """The rollouts' environment and tools as the preference section `pc` names them."""
-        return cls.load(pc.environment, pc.tools, pc.tool_timeout_s, pc.tool_concurrency, pc.environment_url)
+        return cls.load(pc.environment, pc.tools, pc.tool_timeout_s, pc.tool_concurrency, pc.environment_url,
+                        (pc.endpoint_host, pc.endpoint_port))
 
     @classmethod
     def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1,
-             url: str | None = None) -> Setup:
+             url: str | None = None, endpoint: tuple[str, int] = ("127.0.0.1", 0)) -> Setup:
         from gptforge.model.rollout import environments
 
         factory = environments.factory(environment, url, timeout_s)
@@ -88,7 +89,7 @@ class Setup:
                                   "no reset(**row) method")
             for fn in environment_tools(probe).values():
                 schema(fn, "preference.environment")
-        return cls(factory, functions, timeout_s, concurrency, environments.driver(environment, concurrency))
+        return cls(factory, functions, timeout_s, concurrency, environments.driver(environment, concurrency, endpoint))
 
     def toolbox(self, row: dict) -> Toolbox:
         """A new episode's tools: a fresh environment reset with the prompt's row, and the stateless tools."""

@@ -218,9 +218,15 @@ class PreferenceSection(TrainSection):
                                       "conventions): reset(**row), its public methods as tools, get_reward() "
                                       "optional, respond(text) to answer a turn that calls no tool; or "
                                       "openenv:package.module:EnvClient, an OpenEnv environment served at "
-                                      "environment_url (docs/environments.md).")
+                                      "environment_url; or verifiers:<id>, a verifiers environment, its harness "
+                                      "driving each episode (docs/environments.md).")
     environment_url: str | None = Setting(None, description="openenv: the environment server's address (its "
                                           "websocket, http://host:port); one session an episode.")
+    endpoint_host: str = Setting("127.0.0.1", same_result=True, description="verifiers: the address the policy's "
+                                 "OpenAI-compatible endpoint binds to (its harnesses' model), in each rollout "
+                                 "process.")
+    endpoint_port: int = Setting(0, ge=0, le=65535, same_result=True, description="verifiers: its port (0: a free "
+                                 "one, as every rollout process serves its own).")
     tools: list[str] = Setting([], description="Stateless tools for the rollouts, package.module:function, each with "
                                "type hints and a docstring.")
     max_turns: int = Setting(4, ge=1, description="Turns of the policy in one rollout with tools; a turn that calls "

@@ -33,10 +33,11 @@ def factory(spec: str | None, url: str | None, timeout_s: float) -> Callable | N
     return user_function(spec, KEY)
 
 
-def driver(spec: str | None, concurrency: int):
-    """What runs whole episodes for an environment whose own harness drives them (verifiers'); None for others."""
+def driver(spec: str | None, concurrency: int, endpoint: tuple[str, int] = ("127.0.0.1", 0)):
+    """What runs whole episodes for an environment whose own harness drives them (verifiers'), its endpoint bound to
+    `endpoint` (host, port); None for others."""
     if spec and spec.startswith("verifiers:"):
         from gptforge.model.rollout.environments.verifiers import Driver
 
-        return Driver(spec.removeprefix("verifiers:"), concurrency)
+        return Driver(spec.removeprefix("verifiers:"), concurrency, endpoint)
     return None

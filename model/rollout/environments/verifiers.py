@@ -13,6 +13,7 @@ reward `{name: environment}`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 
 from gptforge.core.errors import ConfigError, UserError
@@ -27,10 +28,24 @@ KEY_VAR = "GPTFORGE_ENDPOINT_KEY"  # the endpoint takes any key; verifiers reads
 class Driver:
     """Episodes of a verifiers environment, driven by its harness against the policy behind the endpoint."""
 
-    def __init__(self, spec: str, concurrency: int):
-        self.spec, self.concurrency = spec, concurrency
+    def __init__(self, spec: str, concurrency: int, bind: tuple[str, int] = ("127.0.0.1", 0)):
+        self.spec, self.concurrency, self.bind = spec, concurrency, bind
         self.env = load_verifiers(spec, KEY)
         self.tasks = {task.data.idx: task for task in self.env.taskset}
+        self.endpoint: Endpoint | None = None
+
+    def serving(self, tokenizer, fmt: str, max_turns: int, max_length: int, stop_ids: set[int]) -> Endpoint:
+        """The endpoint, one for the process's stage (a new one where the episodes' budgets or model change: an
+        evaluation's after training's)."""
+        shape = (id(tokenizer), fmt, max_turns, max_length, frozenset(stop_ids))
+        if self.endpoint is None or self.endpoint.shape != shape:
+            if self.endpoint is not None:
+                self.endpoint.close()
+            host, port = self.bind
+            self.endpoint = Endpoint(tokenizer, fmt, max_turns, max_length, stop_ids, host, port)
+            self.endpoint.shape = shape
+            atexit.register(self.endpoint.close)
+        return self.endpoint
 
     def rollouts(self, sample, tokenizer, rows: list[dict], fmt: str, max_turns: int, max_length: int,
                  stop_ids: set[int]):
@@ -39,7 +54,7 @@ class Driver:
 
         from gptforge.model.rollout.episode import Finished
 
-        endpoint = Endpoint(tokenizer, fmt, max_turns, max_length, stop_ids)
+        endpoint = self.serving(tokenizer, fmt, max_turns, max_length, stop_ids)
         os.environ.setdefault(KEY_VAR, "gptforge")
         urls = [endpoint.open() for _ in rows]
         limit = asyncio.Semaphore(self.concurrency)
@@ -58,14 +73,11 @@ class Driver:
                 return await asyncio.gather(*(one(r, u) for r, u in zip(rows, urls)), return_exceptions=True)
 
         running = asyncio.run_coroutine_threadsafe(every(), event_loop())
-        try:
-            endpoint.serve(sample, running.done)
-            results = running.result()
-        finally:
-            endpoint.close()
+        endpoint.serve(sample, running.done)
+        results = running.result()
         episodes = []
         for row, url, result in zip(rows, urls, results, strict=True):
-            session = endpoint.session(url)
+            session = endpoint.sessions.pop(endpoint.key(url))
             e = session.episode
             if e is None:
                 raise ConfigError(f"{KEY}: verifiers:{self.spec}'s harness never asked the model for task "
