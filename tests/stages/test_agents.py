@@ -198,10 +198,11 @@ def splits_of(cfg):
     return splits.online_prompts(cfg.data)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
-def test_a_verifiers_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, monkeypatch):
+@pytest.mark.parametrize("algorithm,mode", [("ppo", "sync"), ("grpo", "async")])
+def test_a_verifiers_environment_trains_ppo_and_grpo(algorithm, mode, chain, tmp_path, monkeypatch):
     """A verifiers environment (tests/verifiers_game.py, verifiers.v1's own classes): its taskset the prompts, its
-    harness driving each episode against the policy behind gptforge's endpoint, its rubric's reward the reward."""
+    harness driving each episode against the policy behind gptforge's endpoint (GRPO's in a rollout worker), its
+    rubric's reward the reward."""
     import re
     from pathlib import Path
 
@@ -217,7 +218,8 @@ def test_a_verifiers_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path,
                          "preference.environment=verifiers:verifiers_game", "data.prompts=verifiers:verifiers_game",
                          "preference.max_turns=3", "preference.max_length=128",
                          f"preference.{algorithm}.max_new_tokens=16", "preference.global_batch_size=8",
-                         "preference.rewards=[{name: reward_model}, {name: environment}]")
+                         f"preference.rollout.mode={mode}", "preference.rewards=[{name: reward_model}, "
+                                                            "{name: environment}]")
     manifest, out_dir, _ = run_stage(cfg, path, algorithm)
     assert manifest["metrics"]["global_step"] == 2
     assert len(logged(out_dir, "rewards/environment")) == 2
