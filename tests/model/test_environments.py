@@ -89,6 +89,10 @@ def test_openenv_mistakes_are_one_line_naming_the_key(tally, monkeypatch):
     with pytest.raises(UserError, match=r"preference.environment_url is the address of an openenv: environment's "
                                         r"server: set both or neither"):
         load_config(TINY, ["preference.environment=openenv:tests.openenv_game:TallyClient"])
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # not installed
+    with pytest.raises(UserError, match=r"preference.environment: verifiers:verifiers_game needs verifiers, which is "
+                                        r"not installed .*gptforge\[environments\]"):
+        Setup.load("verifiers:verifiers_game", [], timeout_s=10)
     monkeypatch.setitem(sys.modules, "openenv.core", None)  # not installed
     with pytest.raises(UserError, match=r"preference.environment: openenv:tests.openenv_game:TallyClient needs "
                                         r"openenv-core, which is not installed .*gptforge\[environments\]"):

@@ -110,7 +110,14 @@ def test_trls_trainers_roll_out_a_users_environment(algorithm, chain, tmp_path, 
 
 
 def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
+    import shutil
+
+    from tests import openenv_game
+    from tests.helpers import free_port
+
     (tmp_path / "ledger_env.py").write_text(LEDGER)
+    shutil.copy(openenv_game.__file__, tmp_path / "openenv_game.py")
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     base = ["--set", "preference.algorithm=ppo"]
     cases = [
         (["preference.environment=no_such_module:Env"],
@@ -120,6 +127,12 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
         (["preference.max_turns=0"], "preference.max_turns: Input should be greater than or equal to 1"),
         (["preference.rewards=[{name: environment}]"], "preference.rewards names environment but "
                                                         "preference.environment is not set"),
+        (["preference.environment=openenv:openenv_game:TallyClient", f"preference.environment_url={closed}"],
+         f"preference.environment_url: the OpenEnv environment server at {closed} does not answer"),
+        (["preference.environment=verifiers:no_such_env", "data.prompts=verifiers:no_such_env"],
+         "data.prompts: verifiers:no_such_env does not load: "),
+        (["data.prompts=reasoning_gym:no_such_dataset"],
+         "data.prompts: reasoning-gym has no dataset 'no_such_dataset'"),
     ]
     for overrides, line in cases:
         proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(TINY), *base,
