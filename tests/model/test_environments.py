@@ -168,3 +168,56 @@ def test_a_verifiers_episode_of_three_turns_through_the_endpoint_trains_the_samp
         whole = render(tok, e.messages, [verifiers_game.HINT], False)
         assert tok.decode(e.prompt_ids + e.ids) == whole[:whole.rfind("<|im_end|>") + len("<|im_end|>")]
     assert environment_rewards(episodes) == [1.0, 1.0, 1.0]  # verifiers' rubric: exact match on the last reply
+
+
+def test_the_endpoint_serves_completions_token_exact_and_refuses_what_would_break_an_episode(tokenizers):  # noqa: F811
+    """/v1/completions: a prompt of ids that extends the session's is sampled on; one that does not, a turn past
+    max_turns and one past the length budget are answered with an error, and the episode ends there."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from gptforge.model.rollout.endpoint import Endpoint
+
+    tok = tokenizers["hermes"]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    replies = iter([[5, 6, eot], [7, eot], [8, eot]])
+
+    def sample(sequences, budgets):
+        return [next(replies) for _ in sequences]
+
+    endpoint = Endpoint(tok, "hermes", max_turns=2, max_length=40, stop_ids={eot})
+    done = threading.Event()
+    threading.Thread(target=endpoint.serve, args=(sample, done.is_set), daemon=True).start()
+
+    def post(url, body):
+        request = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return 200, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        url = endpoint.open()
+        code, first = post(url, {"prompt": [1, 2, 3]})
+        assert code == 200 and first["choices"][0]["token_ids"] == [5, 6, eot]
+        assert len(first["choices"][0]["logprobs"]["content"]) == 3 and first["prompt_token_ids"] == [1, 2, 3]
+        code, second = post(url, {"prompt": [1, 2, 3, 5, 6, eot, 9, 9]})  # the sampled ids, then what followed
+        assert code == 200 and second["choices"][0]["token_ids"] == [7, eot]
+        e = endpoint.session(url).episode
+        assert (e.prompt_ids, e.ids, e.mask) == ([1, 2, 3], [5, 6, eot, 9, 9, 7, eot], [1, 1, 1, 0, 0, 1, 1])
+        code, third = post(url, {"prompt": [1, 2, 3, 5, 6, eot, 9, 9, 7, eot, 4]})
+        assert code == 400 and third["error"]["code"] == "max_turns" and e.ended == "max_turns"
+        other = endpoint.open()
+        assert post(other, {"prompt": [1, 2]})[0] == 200
+        code, diverged = post(other, {"prompt": [1, 3, 8, eot, 4]})  # not the session's ids
+        assert code == 400 and diverged["error"]["code"] == "diverged"
+        long = endpoint.open()
+        code, full = post(long, {"prompt": list(range(1, 41))})  # no room under max_length
+        assert code == 400 and full["error"]["code"] == "max_length"
+    finally:
+        done.set()
+        endpoint.close()
