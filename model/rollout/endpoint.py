@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gptforge.model.rollout.calls import parse
-from gptforge.model.rollout.episode import Episode, Sampler, between_turns
+from gptforge.model.rollout.trajectory import Episode, Sampler, between_turns
 
 PATH = re.compile(r"^/s/(?P<session>[\w-]+)/v1/(?P<kind>chat/completions|completions|models)$")
 

@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from gptforge.core.errors import DataError, UserError
+from gptforge.core.errors import UserError
 from gptforge.model.rollout.calls import parse
 from gptforge.model.rollout.concurrency import SEQUENTIAL, Concurrent
 from gptforge.model.rollout.tools import Call, Setup, Toolbox
-
-# sample(sequences, budgets) -> each sequence's next turn: the ids sampled, ending with a stop id unless the budget
-# (new tokens at most) ran out first
-Sampler = Callable[[list[list[int]], list[int]], list[list[int]]]
-
+from gptforge.model.rollout.trajectory import Episode, Finished, Sampler, between_turns, render  # noqa: F401
 
 @dataclass
 class Agent:
@@ -57,64 +53,6 @@ def spec_agent(spec: dict) -> Agent:
     return Agent(setup, spec["fmt"], spec["max_turns"], spec["max_length"])
 
 
-@dataclass
-class Episode:
-    messages: list[dict]  # the trajectory: the prompt, each turn of the policy and each tool result
-    prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)  # after the prompt: the turns and the tokens between them
-    mask: list[int] = field(default_factory=list)  # 1 on the tokens the policy sampled
-    logprobs: list[float] = field(default_factory=list)  # each token's log-probability when sampled (0 off the mask)
-    toolbox: Toolbox | Finished | None = None
-    turns: int = 0
-    ended: str = ""  # answer (a turn without calls), environment (it is done), max_turns, max_length, or truncated
-
-    @property
-    def response(self) -> str:
-        """The last turn's text: what the rewards of the answer read."""
-        last = next((m for m in reversed(self.messages) if m["role"] == "assistant"), None)
-        return "" if last is None else last["content"]
-
-    @property
-    def calls(self) -> list[Call]:
-        return [] if self.toolbox is None else [c for c in self.toolbox.calls if c.name != "get_reward"]
-
-    @property
-    def tool_errors(self) -> int:
-        return sum(1 for c in self.calls if c.error)
-
-    def finished(self) -> Episode:
-        """The episode without its live environment, to travel between processes: its calls and its environment's
-        `get_reward()`, taken now, kept (gptforge.model.rollout.workers)."""
-        box = self.toolbox
-        kept = None if box is None else Finished(list(box.calls), box.reward(), box.schemas)
-        return Episode(self.messages, self.prompt_ids, self.ids, self.mask, self.logprobs, kept, self.turns, self.ended)
-
-    def record(self) -> dict:
-        """The episode as a trajectory file row."""
-        return {"messages": self.messages, "turns": self.turns, "ended": self.ended,
-                "tool_calls": [vars(c) for c in self.calls], "tool_errors": self.tool_errors,
-                "prompt_tokens": len(self.prompt_ids), "policy_tokens": sum(self.mask),
-                "tool_tokens": len(self.mask) - sum(self.mask)}
-
-
-@dataclass
-class Finished:
-    """A finished episode's environment, as a worker returns it: what its toolbox recorded, `reward()` as computed
-    when the episode ended."""
-
-    calls: list[Call]
-    value: float | None
-    schemas: list[dict]
-
-    def reward(self) -> float | None:
-        return self.value
-
-
-def render(tokenizer, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=generation)
-
-
 def start(tokenizer, prompt: list[dict], box: Toolbox | None) -> Episode:
     """An episode at its prompt: the environment's first observation appended to the last user turn (as TRL's
     GRPOTrainer does), the tools' schemas rendered by the template."""
@@ -125,22 +63,6 @@ def start(tokenizer, prompt: list[dict], box: Toolbox | None) -> Episode:
     ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True, add_generation_prompt=True,
                                         return_dict=True)["input_ids"]
     return Episode(messages, list(ids), toolbox=box)
-
-
-def between_turns(tokenizer, episode: Episode, results: list[dict], end_of_turn: str,
-                  tools: list[dict] | None = None) -> list[int]:
-    """The ids the template puts after the policy's turn (whose end-of-turn token was sampled): the tool turn of
-    `results` and the next generation prompt (`tools`: the schemas rendered, else the episode's toolbox's)."""
-    if tools is None and episode.toolbox is not None:
-        tools = episode.toolbox.schemas
-    before = render(tokenizer, episode.messages, tools, False)
-    after = render(tokenizer, episode.messages + results, tools, True)
-    if not after.startswith(before):
-        raise DataError("the chat template renders a conversation's earlier turns differently once a tool turn "
-                        "follows, so the tokens between turns cannot be added to the sampled ones; conversation "
-                        f"starts {before[:80]!r}")
-    behind = before[before.rfind(end_of_turn) + len(end_of_turn):]  # e.g. ChatML's newline after <|im_end|>
-    return list(tokenizer(behind + after[len(before):], add_special_tokens=False)["input_ids"])
 
 
 def rollouts(setup: Setup, sample: Sampler, tokenizer, rows: list[dict], fmt: str, max_turns: int, max_length: int,

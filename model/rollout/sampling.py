@@ -52,7 +52,7 @@ class Rollouts:
 
     @classmethod
     def from_state(cls, state: dict) -> Rollouts:
-        from gptforge.model.rollout.episode import Finished
+        from gptforge.model.rollout.trajectory import Finished
         from gptforge.model.rollout.tools import Call
 
         episodes = None

@@ -97,10 +97,8 @@ class EvalSourceSection(TaskSourceSection):
 class PromptSourceSection(TaskSourceSection):
     """Where the online stages' prompts come from; a plain string in the YAML is its `path`."""
 
-    path: str | None = Setting(None, description="None: the preference pairs' prompts; else {prompt, answer} rows, "
-                               "conversations ending in the reference, GSM8K question/answer rows (#### 42), or "
-                               "reasoning_gym:<dataset> (reasoning-gym's procedural tasks, scored by the reward "
-                               "{name: reasoning_gym}).")
+    path: str | None = Setting(None, description="None: the preference pairs' prompts; else {prompt, answer} rows "
+                               "(or GSM8K's), reasoning_gym:<dataset> or verifiers:<id> (docs/environments.md).")
 
 
 class DataSection(Section):

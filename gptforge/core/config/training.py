@@ -214,12 +214,9 @@ class PreferenceSection(TrainSection):
                                  "subtracts one per token over.")
     reference: str | None = Setting(None, description="The reference policy (hub name or local directory); None: the "
                                     "SFT model (with adapters: the policy with its adapters disabled).")
-    environment: str | None = Setting(None, description="package.module:Factory, one environment a rollout (TRL's "
-                                      "conventions): reset(**row), its public methods as tools, get_reward() "
-                                      "optional, respond(text) to answer a turn that calls no tool; or "
-                                      "openenv:package.module:EnvClient, an OpenEnv environment served at "
-                                      "environment_url; or verifiers:<id>, a verifiers environment, its harness "
-                                      "driving each episode (docs/environments.md).")
+    environment: str | None = Setting(None, description="package.module:Factory (TRL's conventions: reset(**row), "
+                                      "methods as tools, get_reward()), openenv:module:Client or verifiers:<id> "
+                                      "(docs/environments.md).")
     environment_url: str | None = Setting(None, description="openenv: the environment server's address (its "
                                           "websocket, http://host:port); one session an episode.")
     endpoint_host: str = Setting("127.0.0.1", same_result=True, description="verifiers: the address the policy's "

@@ -52,7 +52,7 @@ class Driver:
         """One episode a prompt row (its `verifiers_task`), its Episode token-exact, its toolbox the trace's."""
         import verifiers.v1 as vf
 
-        from gptforge.model.rollout.episode import Finished
+        from gptforge.model.rollout.trajectory import Finished
 
         endpoint = self.serving(tokenizer, fmt, max_turns, max_length, stop_ids)
         os.environ.setdefault(KEY_VAR, "gptforge")
