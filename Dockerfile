@@ -7,7 +7,7 @@ FROM ${BASE}
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=0
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential make git openssh-client \
-        python3 python3-venv python3-dev && rm -rf /var/lib/apt/lists/*
+        python3 python3-venv python3-dev bubblewrap && rm -rf /var/lib/apt/lists/*
 WORKDIR /workspace/gptforge
 # torch first, from the index that matches the base (CPU or CUDA): `make setup` keeps the torch it finds
 RUN python3 -m venv .venv && .venv/bin/pip install --index-url ${TORCH_INDEX} torch==2.13.0

@@ -14,7 +14,9 @@ column of the prompts' rows, one list each (as TRL hands its reward functions th
 - `format`: 1 where the whole response matches `preference.format_pattern` (a regex, such as think/answer tags);
 - `length`: minus the response's tokens over `preference.length_target` (0 at or under it);
 - `reasoning_gym`: on `data.prompts: reasoning_gym:<dataset>` rows, the dataset's own `score_answer` of the
-  response (gptforge.core.procedural), 0 on a row reasoning-gym did not generate.
+  response (gptforge.core.procedural), 0 on a row reasoning-gym did not generate;
+- `unit_tests`: the share of the row's `tests` (Python statements) the response's program passes, run in the
+  sandbox (gptforge.model.rollout.sandbox).
 
 A name with a colon is the user's own function, `package.module:function`, imported from the working folder or
 an installed package. A `url` is a reward server: the batch as one JSON POST
@@ -212,6 +214,13 @@ def build(pc, tokenizer=None) -> list[Reward]:
             out.append(Reward("math_equal", spec.weight, key, math_equal))
         elif spec.name == "format":
             out.append(Reward("format", spec.weight, key, format_match(pc.format_pattern)))
+        elif spec.name == "unit_tests":
+            from gptforge.model.rollout import sandbox
+            from gptforge.model.rollout.concurrency import Concurrent
+
+            sandbox.require(key)
+            check = sandbox.unit_tests(sandbox.limits_of(pc.sandbox), Concurrent(pc.tool_concurrency))
+            out.append(Reward("unit_tests", spec.weight, key, check))
         elif spec.name == "reasoning_gym":
             require("reasoning_gym", key)
             out.append(Reward("reasoning_gym", spec.weight, key, reasoning_gym))

@@ -53,6 +53,21 @@ def environment_tools(env) -> dict[str, Callable]:
             if not name.startswith("_") and name not in ("reset", "get_reward", "respond")}
 
 
+BUILT_IN = ("python",)  # the tools gptforge has: model-written code run in the sandbox
+
+
+def built_in(spec: str, sandbox: dict | None) -> Callable | None:
+    """A built-in tool by its name (`python`: gptforge.model.rollout.sandbox), the host checked for the sandbox."""
+    if spec not in BUILT_IN:
+        return None
+    from gptforge.model.rollout import sandbox as room
+
+    room.require(f"preference.tools: {spec}")
+    limits = room.Limits(**(sandbox or {}))
+    limits.check("preference.sandbox")
+    return room.python_tool(limits)
+
+
 @dataclass
 class Setup:
     """What `preference.environment` and `preference.tools` name, imported and checked; `calls` runs a batch's
@@ -71,15 +86,16 @@ class Setup:
     def of(cls, pc) -> Setup:
         """The rollouts' environment and tools as the preference section `pc` names them."""
         return cls.load(pc.environment, pc.tools, pc.tool_timeout_s, pc.tool_concurrency, pc.environment_url,
-                        (pc.endpoint_host, pc.endpoint_port))
+                        (pc.endpoint_host, pc.endpoint_port), pc.sandbox.model_dump())
 
     @classmethod
     def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1,
-             url: str | None = None, endpoint: tuple[str, int] = ("127.0.0.1", 0)) -> Setup:
+             url: str | None = None, endpoint: tuple[str, int] = ("127.0.0.1", 0),
+             sandbox: dict | None = None) -> Setup:
         from gptforge.model.rollout import environments
 
         factory = environments.factory(environment, url, timeout_s)
-        functions = [user_function(spec, "preference.tools") for spec in tools]
+        functions = [built_in(spec, sandbox) or user_function(spec, "preference.tools") for spec in tools]
         for fn in functions:
             schema(fn, "preference.tools")
         if factory is not None:

@@ -101,18 +101,15 @@ class OnlineSection(SamplingSection):
 
 
 REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length",  # gptforge.model.rewards
-                   "environment", "reasoning_gym")
+                   "environment", "reasoning_gym", "unit_tests")
 
 
 class RewardSpec(Section):
     """One reward of the online stages: a built-in or the user's function by `name`, or a reward server at `url`."""
 
-    name: str | None = Setting(None, description="reward_model, exact_match, math_equal, format, length, "
-                               "environment (its get_reward()), reasoning_gym (the dataset's score_answer, on "
-                               "reasoning_gym:<dataset> prompts), or the user's package.module:function(prompts, "
-                               "responses, answers, **row) -> list[float] (row: messages, the whole trajectory, and "
-                               "the prompt's columns); with url, the name its metric is logged under (default "
-                               "remote).")
+    name: str | None = Setting(None, description="A built-in (reward_model, exact_match, math_equal, format, length, "
+                               "environment, reasoning_gym, unit_tests) or package.module:function; with url, its "
+                               "metric's name.")
     url: str | None = Setting(None, description="A reward server: each batch as one JSON POST {prompts, responses, "
                               "answers, ...}, answered by {rewards: [...]}.")
     weight: float = Setting(1.0, description="Weight of this reward in the total.")
@@ -194,6 +191,20 @@ class RolloutSection(Section):
         return self
 
 
+class SandboxSection(Section):
+    """The limits of the sandbox model-written code runs in (gptforge.model.rollout.sandbox): the `python` tool and
+    the `unit_tests` reward."""
+
+    wall_s: float = Setting(10.0, gt=0, description="Seconds a run may take, then everything in it is killed.")
+    cpu_s: int = Setting(10, gt=0, description="CPU seconds a process of it may use (RLIMIT_CPU).")
+    memory_mb: int = Setting(512, gt=0, description="Address space of a process of it, MiB (RLIMIT_AS).")
+    processes: int = Setting(32, gt=0, description="Processes it may run at once (RLIMIT_NPROC of its own uid).")
+    open_files: int = Setting(64, gt=0, description="Files a process of it may hold open (RLIMIT_NOFILE).")
+    output_bytes: int = Setting(16384, gt=0, description="Bytes of stdout (and of stderr) kept; past it the run is "
+                                "killed and the output cut.")
+    disk_mb: int = Setting(16, gt=0, description="Size of its scratch file system, MiB (and of any file it writes).")
+
+
 class PreferenceSection(TrainSection):
     """What every preference algorithm shares; each algorithm's own fields are in its sub-section."""
 
@@ -224,8 +235,8 @@ class PreferenceSection(TrainSection):
                                  "process.")
     endpoint_port: int = Setting(0, ge=0, le=65535, same_result=True, description="verifiers: its port (0: a free "
                                  "one, as every rollout process serves its own).")
-    tools: list[str] = Setting([], description="Stateless tools for the rollouts, package.module:function, each with "
-                               "type hints and a docstring.")
+    tools: list[str] = Setting([], description="Stateless tools for the rollouts, package.module:function (type hints, "
+                               "a docstring), or python: model-written code run in the sandbox.")
     max_turns: int = Setting(4, ge=1, description="Turns of the policy in one rollout with tools; a turn that calls "
                              "no tool ends it.")
     tool_timeout_s: float = Setting(10.0, gt=0, description="Seconds a tool call (and reset, get_reward) may take; "
@@ -236,6 +247,8 @@ class PreferenceSection(TrainSection):
     ppo: PPOSection = Setting(default_factory=PPOSection, description="PPO's own settings.")
     grpo: GRPOSection = Setting(default_factory=GRPOSection, description="GRPO's own settings.")
     rloo: RLOOSection = Setting(default_factory=RLOOSection, description="RLOO's own settings.")
+    sandbox: SandboxSection = Setting(default_factory=SandboxSection, description="Limits of the sandbox the python "
+                                      "tool and the unit_tests reward run model-written code in.")
     rollout: RolloutSection = Setting(default_factory=RolloutSection, description="Where PPO's, GRPO's and RLOO's "
                                       "rollouts are generated (sync or async), and their off-policy correction.")
 

@@ -1,0 +1,290 @@
+"""Model-written code, run in a sandbox: bubblewrap's namespaces, an unprivileged uid of its own, rlimits and a
+size-limited scratch file system; never a `subprocess.run` with a timeout alone.
+
+What a program run here gets (`run`):
+- no network: a network namespace of its own, with only its own loopback (the host's 127.0.0.1 is not it);
+- a read-only view of /usr (the host's Python at /usr/bin/python3, its standard library), and nothing else of the
+  host's files: no /etc, /home, /root, /work, no checkout, no run outputs, no reward answers;
+- a private scratch directory, /scratch (its working directory, HOME and TMPDIR), a tmpfs of `disk_mb` that goes
+  with the call, and nothing else writable (its root is read-only);
+- no inherited environment variables (PATH, HOME, TMPDIR and LANG only: no HF_TOKEN, no credentials);
+- its own PID namespace, user namespace and session, as a uid of its own (one of a pool, one a concurrent call), so
+  that it sees and signals no other process;
+- limits: wall time (`wall_s`, then everything in it is killed), CPU time (RLIMIT_CPU), address space (RLIMIT_AS,
+  `memory_mb`), processes (RLIMIT_NPROC for its uid), open files (RLIMIT_NOFILE), the size of any file it writes
+  (RLIMIT_FSIZE) and of the scratch file system, and of what it prints (`output_bytes`: past it, it is killed and
+  the output cut);
+- nothing of it outlives the call: killing the namespace's first process ends every process in it, and any process
+  left of its uid is killed before `run` returns.
+
+What it does not guarantee: it is not a virtual machine. The kernel is the host's, so a kernel exploit escapes it;
+CPU time is limited per process, not shared fairly with training (the rollout workers' pinned cores bound that:
+gptforge.model.rollout.concurrency); side channels (timing, /proc/cpuinfo-like facts through /usr) are not closed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from gptforge.core.errors import ConfigError
+
+PYTHON = "/usr/bin/python3"  # the host's Python, under the read-only /usr
+UIDS = range(200_000, 200_256)  # the sandbox's uids: one a concurrent call (no user of the host has them)
+_free = list(UIDS)
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 10.0
+    cpu_s: int = 10
+    memory_mb: int = 512
+    processes: int = 32
+    open_files: int = 64
+    output_bytes: int = 16_384
+    disk_mb: int = 16
+
+    def check(self, key: str) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ConfigError(f"{key}.{name}: {value} is not positive")
+
+
+@dataclass
+class Result:
+    stdout: str
+    stderr: str
+    exit_status: int | None  # None: killed by the sandbox (`reason` says why)
+    reason: str = ""  # wall time, output, or the signal that ended it
+    truncated: bool = False
+
+    def text(self, cut: int) -> str:
+        """What a tool returns to the model: the status, then stdout and stderr, cut to `cut` characters."""
+        status = f"exit status {self.exit_status}" if self.exit_status is not None else f"killed ({self.reason})"
+        out = f"{status}\nstdout:\n{self.stdout}" + (f"\nstderr:\n{self.stderr}" if self.stderr else "")
+        return out if len(out) <= cut else out[:cut] + f"\n[cut at {cut} characters]"
+
+
+def missing() -> str | None:
+    """What the host lacks to run the sandbox (bubblewrap, setpriv, the Python), named with its package."""
+    for tool, package in (("bwrap", "bubblewrap"), ("setpriv", "util-linux")):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (apt-get install {package})"
+    if not os.access(PYTHON, os.X_OK):
+        return f"{PYTHON} is not installed (apt-get install python3)"
+    return None
+
+
+def require(key: str) -> None:
+    why = missing()
+    if why:
+        raise ConfigError(f"{key} runs model-written code in a sandbox, but {why}; .ci/run and make install it")
+
+
+def command(uid: int, limits: Limits, argv: list[str]) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--",
+            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+            "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+            "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
+            "--size", str(limits.disk_mb << 20), "--tmpfs", "/scratch", "--remount-ro", "/", "--chdir", "/scratch",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch",
+            "--setenv", "LANG", "C.UTF-8", "--", *argv]
+
+
+def run(argv: list[str], stdin: str = "", limits: Limits = Limits()) -> Result:
+    """`argv` (e.g. [PYTHON, "-c", code]) in the sandbox, `stdin` its input; its output, status and why it ended."""
+    with _lock:
+        if not _free:
+            raise RuntimeError(f"more than {len(UIDS)} sandboxed calls at once")
+        uid = _free.pop()
+    try:
+        return _run(uid, argv, stdin, limits)
+    finally:
+        sweep(uid)
+        with _lock:
+            _free.append(uid)
+
+
+def _run(uid: int, argv: list[str], stdin: str, limits: Limits) -> Result:
+    def limited():  # in the child, before setpriv drops to the uid: inherited by bwrap and the program
+        memory = limits.memory_mb << 20
+        for what, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, memory),
+                            (resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_NOFILE, limits.open_files),
+                            (resource.RLIMIT_FSIZE, limits.disk_mb << 20), (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(what, (value, value))
+
+    process = subprocess.Popen(command(uid, limits, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, preexec_fn=limited, start_new_session=True)
+    out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+    flooded = threading.Event()
+
+    def drain(name, pipe):
+        while chunk := pipe.read1(65536) if hasattr(pipe, "read1") else pipe.read(65536):
+            room = limits.output_bytes - len(out[name])
+            out[name] += chunk[:max(0, room)]
+            if len(chunk) > room:
+                flooded.set()
+                kill(process)
+                return
+
+    readers = [threading.Thread(target=drain, args=(n, getattr(process, n)), daemon=True) for n in out]
+    for r in readers:
+        r.start()
+    try:
+        process.stdin.write(stdin.encode())
+        process.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+    deadline, timed_out = time.monotonic() + limits.wall_s, False
+    while process.poll() is None:
+        if time.monotonic() > deadline:
+            timed_out = True
+            kill(process)
+            break
+        if flooded.wait(0.01):
+            break
+    process.wait()
+    for r in readers:
+        r.join(1)
+    status = process.returncode
+    reason = "wall time" if timed_out else "output" if flooded.is_set() else ""
+    if status is not None and status < 0:
+        reason = reason or signal.Signals(-status).name
+    if status is not None and status > 128 and not reason:  # bwrap reports its child's signal as 128 + n
+        reason = signal.Signals(status - 128).name if status - 128 in signal.Signals._value2member_map_ else ""
+    killed = bool(reason)
+    return Result(out["stdout"].decode(errors="replace"), out["stderr"].decode(errors="replace"),
+                  None if killed else status, reason, flooded.is_set())
+
+
+def kill(process: subprocess.Popen) -> None:
+    """The sandbox's session: bwrap, and with it (--die-with-parent, its PID namespace) everything in it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def sweep(uid: int) -> None:
+    """Any running process of the sandbox's uid left (none should be: the namespace's end kills them): killed, so
+    that nothing outlives the call. (A dead one may wait a while for the host's init to reap it.)"""
+    for _ in range(100):
+        left = [pid for pid, running in alive(uid) if running]
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+def alive(uid: int) -> list[tuple[int, bool]]:
+    """The processes of `uid`: (pid, whether it still runs, not a zombie waiting to be reaped)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.stat(f"/proc/{p}").st_uid != uid:
+                    continue
+                with open(f"/proc/{p}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            out.append((int(p), state not in ("Z", "X")))
+    return out
+
+
+def limits_of(section) -> Limits:
+    """The Limits of a `preference.sandbox` section."""
+    return Limits(**section.model_dump())
+
+
+def python_tool(limits: Limits):
+    """The built-in tool `python` (`preference.tools: [python]`): the model's code run in the sandbox, its status,
+    stdout and stderr returned, cut to `limits.output_bytes` characters."""
+
+    def python(code: str) -> str:
+        """Run a Python program in a sandbox (no network, no files but its own scratch folder) and return its exit
+        status, stdout and stderr.
+
+        Args:
+            code: the Python program to run
+        """
+        return run([PYTHON, "-"], stdin=code, limits=limits).text(limits.output_bytes)
+
+    return python
+
+
+HARNESS = '''
+import json, sys
+
+
+def main():  # the key is a local here and the program runs in a namespace of its own
+    key = sys.stdin.readline().strip()
+    tests = json.loads(sys.stdin.readline())
+    space, passed = {"__name__": "__main__"}, 0
+    try:
+        exec(compile(sys.stdin.read(), "<response>", "exec"), space)
+    except BaseException:
+        tests = [None] * len(tests)  # none passes
+    for test in tests:
+        try:
+            if test is not None:
+                exec(compile(test, "<test>", "exec"), space)
+                passed += 1
+        except BaseException:
+            pass
+    sys.stdout.write(f"\\n{key} {passed} {len(tests)}\\n")
+    sys.stdout.flush()
+
+
+main()
+'''
+CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+def code_of(response: str) -> str:
+    """The program a response writes: its last ```python block, else the whole response."""
+    blocks = CODE_BLOCK.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def unit_tests(limits: Limits, calls=None):
+    """The built-in reward `unit_tests`: each response's program run in the sandbox against its row's `tests` (a
+    list of Python statements, asserts, or one string of them a line), scored by the share that pass; 0 where the
+    program fails to run, a row has no tests, or the sandbox killed it. The harness counts the tests in the same
+    process as the program (as the peers' sandboxes do) and prints its count after a key of the call's: a program
+    that ends its process early or prints a count of its own scores 0. (A program that searches its own interpreter
+    for the harness's key could still forge it: the sandbox keeps it from everything else, not from the harness.)"""
+
+    def score(response: str, tests) -> float:
+        if isinstance(tests, str):
+            tests = [t for t in tests.splitlines() if t.strip()]
+        if not tests:
+            return 0.0
+        key = secrets.token_hex(16)  # what the harness prints its count after: a program cannot print it first
+        result = run([PYTHON, "-c", HARNESS], stdin=f"{key}\n{json.dumps(list(tests))}\n{code_of(response)}",
+                     limits=limits)
+        counts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith(key + " ")]
+        if result.exit_status != 0 or len(counts) != 1:
+            return 0.0  # the program ended the process (os._exit, a signal, a limit) before the tests were counted
+        passed, total = map(int, counts[0])
+        return passed / max(1, total)
+
+    def unit_tests(prompts, responses, answers, tests=None, **_) -> list[float]:
+        rows = tests if tests is not None else [None] * len(responses)
+        return list((calls.map if calls else map)(lambda rt: score(*rt), zip(responses, rows)))
+
+    return unit_tests

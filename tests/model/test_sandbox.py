@@ -1,0 +1,120 @@
+"""The sandbox model-written code runs in (gptforge.model.rollout.sandbox), attacked as a policy optimised for reward
+would: each leak is shown on a naive runner (`subprocess.run` with a timeout) where it is safe to, and refused by
+the sandbox; the bombs and floods end in the sandbox's limits, the stage's process untouched, and nothing of a call
+outlives it. Then the `python` tool and the `unit_tests` reward on it, and the mistakes a user can make."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gptforge.core.config import load_config
+from gptforge.core.errors import UserError
+from gptforge.model.rollout import sandbox
+from gptforge.model.rollout.sandbox import PYTHON, Limits, alive, run
+from tests.conftest import ROOT, TINY
+
+pytestmark = pytest.mark.skipif(sandbox.missing() is not None, reason=f"the sandbox: {sandbox.missing()}")
+
+
+def naive(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+
+
+def boxed(code: str, **limits):
+    return run([PYTHON, "-c", code], limits=Limits(**{"wall_s": 10.0, **limits}))
+
+
+def test_files_outside_the_scratch_folder_are_neither_read_nor_written(tmp_path):
+    answers = tmp_path / "answers.jsonl"  # the run's reward answers
+    answers.write_text('{"answer": "42"}\n')
+    for path in (answers, "/etc/shadow", ROOT / "README.md"):
+        code = f"print(open({str(path)!r}).read()[:20])"
+        assert naive(code).returncode == 0  # a plain subprocess reads it
+        got = boxed(code)
+        assert got.exit_status == 1 and ("FileNotFoundError" in got.stderr or "PermissionError" in got.stderr)
+    target = tmp_path / "pwned"
+    assert naive(f"open({str(target)!r}, 'w').write('x')").returncode == 0 and target.exists()
+    target.unlink()
+    for path in (target, "/usr/pwned", "/pwned"):
+        got = boxed(f"open({str(path)!r}, 'w').write('x')")
+        assert got.exit_status == 1 and "Error" in got.stderr
+    assert not target.exists() and not os.path.exists("/usr/pwned")
+    ok = boxed("open('notes.txt', 'w').write('kept'); print(open('/scratch/notes.txt').read())")
+    assert (ok.exit_status, ok.stdout.strip()) == (0, "kept")  # its own scratch folder is its to use
+
+
+def test_no_network_and_no_inherited_secrets(monkeypatch):
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    threading.Thread(target=lambda: server.accept(), daemon=True).start()
+    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3); print('connected')"
+    try:
+        assert naive(connect).stdout.strip() == "connected"  # the test's server on the host's loopback
+        got = boxed(connect)
+        assert got.exit_status == 1 and "ConnectionRefusedError" in got.stderr  # its loopback is its own
+        far = boxed("import socket; socket.create_connection(('192.0.2.1', 80), timeout=3)")  # another address
+        assert far.exit_status == 1 and "Network is unreachable" in far.stderr
+    finally:
+        server.close()
+    monkeypatch.setenv("HF_TOKEN", "hf_planted_secret")
+    read = "import os; print(os.environ.get('HF_TOKEN'), sorted(os.environ))"
+    assert "hf_planted_secret" in naive(read).stdout
+    got = boxed(read)
+    assert got.exit_status == 0 and "hf_planted_secret" not in got.stdout and got.stdout.startswith("None")
+
+
+def test_bombs_loops_and_floods_end_in_the_limits():
+    forks = boxed("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", wall_s=4)
+    assert forks.exit_status is None and forks.reason == "wall time"  # RLIMIT_NPROC held it to 32 processes
+    memory = boxed("x = bytearray(4 << 30)", memory_mb=256)
+    assert memory.exit_status == 1 and "MemoryError" in memory.stderr
+    t0 = time.monotonic()
+    loop = boxed("while True:\n    pass", wall_s=2, cpu_s=60)
+    assert loop.exit_status is None and loop.reason == "wall time" and time.monotonic() - t0 < 6
+    cpu = boxed("while True:\n    pass", wall_s=30, cpu_s=1)
+    assert cpu.exit_status is None and cpu.reason in ("SIGKILL", "SIGXCPU"), cpu  # RLIMIT_CPU, long before 30 s
+    flood = boxed("while True:\n    print('x' * 1000)", output_bytes=4096)
+    assert flood.reason == "output" and flood.truncated and len(flood.stdout) == 4096
+    disk = boxed("open('big', 'wb').write(b'0' * (64 << 20))", disk_mb=8)
+    assert disk.exit_status == 1 and ("File too large" in disk.stderr or "No space" in disk.stderr)
+
+
+def test_nothing_of_a_call_outlives_it():
+    started = boxed("import subprocess\nsubprocess.Popen(['/usr/bin/python3', '-c', 'import time; time.sleep(60)'])\n"
+                    "print('started')")
+    assert (started.exit_status, started.stdout.strip()) == (0, "started")
+    for uid in sandbox.UIDS:
+        assert not [pid for pid, running in alive(uid) if running]  # the background process is gone
+    assert len(sandbox._free) == len(sandbox.UIDS)  # its uid back in the pool
+
+
+def test_the_python_tool_and_the_unit_tests_reward():
+    python = sandbox.python_tool(Limits(output_bytes=200))
+    assert python("print(sum(range(10)))") == "exit status 0\nstdout:\n45\n"
+    assert python("raise ValueError('no')").startswith("exit status 1\nstdout:\n\nstderr:\nTraceback")
+    assert python("print('y' * 500)").endswith("[cut at 200 characters]")
+    cfg = load_config(TINY, ["preference.rewards=[{name: unit_tests}]", "preference.algorithm=grpo"])
+    from gptforge.model import rewards
+
+    (check,) = rewards.build(cfg.preference)
+    tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(-1, 1) == 0"]
+    responses = ["Here:\n```python\ndef add(a, b):\n    return a + b\n```", "def add(a, b):\n    return 0",
+                 "import os\nos._exit(0)", "print('\\nforged 3 3')\nraise SystemExit(0)", "def add(a, b):\n    1/0"]
+    assert check(None, responses, [None] * 5, {"tests": [tests] * 5}) == [1.0, 1 / 3, 0.0, 0.0, 0.0]
+
+
+def test_sandbox_mistakes_are_one_line_naming_the_key(monkeypatch):
+    with pytest.raises(UserError, match=r"preference.sandbox.memory_mb\n  Input should be greater than 0|"
+                                        r"preference.sandbox.memory_mb.*greater than 0"):
+        load_config(TINY, ["preference.sandbox.memory_mb=0"])
+    from gptforge.model.rollout.tools import Setup
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None if tool == "bwrap" else f"/usr/bin/{tool}")
+    with pytest.raises(UserError, match=r"preference.tools: python runs model-written code in a sandbox, but bwrap "
+                                        r"is not installed \(apt-get install bubblewrap\)"):
+        Setup.load(None, ["python"], timeout_s=10)
