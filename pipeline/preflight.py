@@ -206,10 +206,12 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
     pc = cfg.preference
     if not (pc.environment or pc.tools) or not any(STAGES[s].rewarded for s in steps):
         return
+    from gptforge.model.rollout import mcp
     from gptforge.model.rollout.calls import format_of
     from gptforge.model.rollout.tools import Setup
 
     Setup.of(pc)
+    mcp.close()  # the MCP servers it started to list their tools: each rollout process starts its own
     if cfg.sft.chat_template:
         format_of(cfg.sft.chat_template, "sft.chat_template")
     elif cfg.model.pretrained:

@@ -8,7 +8,7 @@ import importlib
 from gptforge.core.errors import ConfigError
 
 EXTRAS = {"reasoning_gym": ("reasoning-gym", "environments"), "verifiers": ("verifiers", "environments"),
-          "openenv": ("openenv-core", "environments")}
+          "openenv": ("openenv-core", "environments"), "mcp": ("mcp", "environments")}
 
 
 def require(module: str, key: str):

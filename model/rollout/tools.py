@@ -8,7 +8,8 @@ gptforge's PPO and TRL's GRPOTrainer (`environment_factory`, `tools`):
 - gptforge's one addition: an environment with a `respond(text)` method answers each turn of the policy that calls
   no tool (the user turn the policy reads next; None ends the episode), as a text game or a simulated user does.
 
-Environments of other libraries (OpenEnv) are adapted to these conventions (gptforge.model.rollout.environments).
+Environments of other libraries (OpenEnv) are adapted to these conventions (gptforge.model.rollout.environments);
+tools served over the Model Context Protocol are tools like these (gptforge.model.rollout.mcp).
 
 A call runs with a timeout. An exception, a timeout, an unknown tool or bad arguments become the tool's error
 message to the model, never a crashed stage. A call that times out keeps its thread (Python cannot stop one; an
@@ -94,8 +95,13 @@ class Setup:
              sandbox: dict | None = None) -> Setup:
         from gptforge.model.rollout import environments
 
+        from gptforge.model.rollout import mcp
+
         factory = environments.factory(environment, url, timeout_s)
-        functions = [built_in(spec, sandbox) or user_function(spec, "preference.tools") for spec in tools]
+        functions = []
+        for spec in tools:
+            functions += mcp.tools(spec, timeout_s) if mcp.is_mcp(spec) else \
+                [built_in(spec, sandbox) or user_function(spec, "preference.tools")]
         for fn in functions:
             schema(fn, "preference.tools")
         if factory is not None:

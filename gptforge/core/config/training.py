@@ -235,8 +235,8 @@ class PreferenceSection(TrainSection):
                                  "process.")
     endpoint_port: int = Setting(0, ge=0, le=65535, same_result=True, description="verifiers: its port (0: a free "
                                  "one, as every rollout process serves its own).")
-    tools: list[str] = Setting([], description="Stateless tools for the rollouts, package.module:function (type hints, "
-                               "a docstring), or python: model-written code run in the sandbox.")
+    tools: list[str] = Setting([], description="Tools of the rollouts: package.module:function (type hints, a "
+                               "docstring), python (the sandbox), mcp:<command> or an MCP server's URL.")
     max_turns: int = Setting(4, ge=1, description="Turns of the policy in one rollout with tools; a turn that calls "
                              "no tool ends it.")
     tool_timeout_s: float = Setting(10.0, gt=0, description="Seconds a tool call (and reset, get_reward) may take; "
