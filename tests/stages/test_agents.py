@@ -133,6 +133,10 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
          "data.prompts: verifiers:no_such_env does not load: "),
         (["data.prompts=reasoning_gym:no_such_dataset"],
          "data.prompts: reasoning-gym has no dataset 'no_such_dataset'"),
+        (["preference.tools=[mcp:/no/such/server]"],
+         "preference.tools: MCP server mcp:/no/such/server does not start: FileNotFoundError"),
+        (["preference.tools=[python]", "preference.sandbox.wall_s=0"],
+         "preference.sandbox.wall_s: Input should be greater than 0"),
     ]
     for overrides, line in cases:
         proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(TINY), *base,
