@@ -5,7 +5,8 @@ standard error of the paired difference, and the tool calls per episode.
 
     .venv/bin/python bench/agentic.py [-c configs/tiny.yaml] [--seeds 0 1 2] [--root runs/agentic]
                                       [--flaws 0.6] [--documents 20000] [--calls 4000]
-                                      [--problems 4000] [--demonstrations 8000] [--set k=v ...]
+                                      [--problems 4000] [--demonstrations 8000] [--tool add|python]
+                                      [--set k=v ...]
 
 The task: the sum of two numbers of two digits ("What is 37 plus 48?"), which the demo's 1M-parameter model gets
 right a few times in a hundred on its own. A tool `add(a, b)` (`agentic_tools.py`, written into the run's folder,
@@ -18,6 +19,10 @@ sum alone. The chat template is compact (`TEMPLATE`: the tools listed by name an
 `<tool_call>` JSON calls gptforge parses) so that an episode fits the model's 128 positions; the pretraining corpus
 is the demo's documents with lines of calls and results beside them, so that the tokenizer has their pieces (an
 episode is about 90 tokens, not 140).
+
+With `--tool python`, the tool is gptforge's own python tool: the demonstrations call it with `print(a+b)` (the
+slip in b again), the sandbox runs the model's code (docs/sandbox.md), and its result is what the tool returns
+("exit status 0", stdout). Its own corpus and demonstrations, in the same root.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ def add(a: int, b: int) -> int:
     """
     return a + b
 '''
+PYTHON_SCHEMA = {"type": "function", "function": {  # gptforge's built-in python tool, as get_json_schema gives it
+    "name": "python", "description": "Run a Python program in a sandbox and return its exit status, stdout and stderr.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+                   "required": ["code"]}}}
 SCHEMA = {"type": "function", "function": {
     "name": "add", "description": "Add two numbers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "the first number"},
@@ -71,8 +80,16 @@ def question(a: int, b: int) -> str:
     return f"What is {a} plus {b}?"
 
 
-def write_demonstrations(path: Path, n: int, flaws: float, seed: int = 1) -> Path:
-    """n tool-use conversations: the call of add, its result, the answer; a share `flaws` calling it with the
+def call(tool: str, a: int, b: int) -> tuple[dict, str]:
+    """The call of the tool that sums a and b, and what the tool returns: add(a, b), or the python tool running
+    print(a+b) in the sandbox (gptforge.model.rollout.sandbox's Result.text)."""
+    if tool == "python":
+        return {"name": "python", "arguments": {"code": f"print({a}+{b})"}}, f"exit status 0\nstdout:\n{a + b}\n"
+    return {"name": "add", "arguments": {"a": a, "b": b}}, str(a + b)
+
+
+def write_demonstrations(path: Path, n: int, flaws: float, seed: int = 1, tool: str = "add") -> Path:
+    """n tool-use conversations: the call of the tool, its result, the answer; a share `flaws` calling it with the
     second operand one too high, a slip the demonstrator makes again and again, and answered with the wrong sum
     the tool returned: the SFT model's greedy call is mostly the slip."""
     rng = random.Random(seed)
@@ -80,12 +97,14 @@ def write_demonstrations(path: Path, n: int, flaws: float, seed: int = 1) -> Pat
         for _ in range(n):
             a, b = rng.randrange(10, 100), rng.randrange(10, 99)
             x, y = a, b + 1 if rng.random() < flaws else b
+            function, result = call(tool, x, y)
             messages = [{"role": "user", "content": question(a, b)},
                         {"role": "assistant", "content": None, "tool_calls": [
-                            {"type": "function", "function": {"name": "add", "arguments": {"a": x, "b": y}}}]},
-                        {"role": "tool", "name": "add", "content": str(x + y)},
+                            {"type": "function", "function": function}]},
+                        {"role": "tool", "name": function["name"], "content": result},
                         {"role": "assistant", "content": str(x + y)}]
-            f.write(json.dumps({"tools": [SCHEMA], "messages": messages}) + "\n")
+            schema = PYTHON_SCHEMA if tool == "python" else SCHEMA
+            f.write(json.dumps({"tools": [schema], "messages": messages}) + "\n")
     return path
 
 
@@ -99,7 +118,7 @@ def write_problems(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def write_corpus(path: Path, documents: int, calls: int, seed: int = 2) -> Path:
+def write_corpus(path: Path, documents: int, calls: int, seed: int = 2, tool: str = "add") -> Path:
     """The demo's pretraining documents and `calls` lines of calls of add and its results, in the template's form
     (so that the tokenizer learns their pieces and the model their shape; none of them holds a question)."""
     from gptforge.data import demo
@@ -108,8 +127,10 @@ def write_corpus(path: Path, documents: int, calls: int, seed: int = 2) -> Path:
     lines = list(demo.generate(pretrain_docs=documents, sft_items=1, preference_pairs=1, eval_items=1).pretrain)
     for _ in range(calls):
         a, b = rng.randrange(10, 100), rng.randrange(10, 100)
-        lines.append(f'<tool_call>{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}</tool_call> '
-                     f"<tool_response>{a + b}</tool_response>")
+        function, result = call(tool, a, b)
+        arguments = json.dumps(function["arguments"]).replace(" ", "")
+        lines.append(f'<tool_call>{{"name":"{function["name"]}","arguments":{arguments}}}</tool_call> '
+                     f"<tool_response>{result}</tool_response>")
     rng.shuffle(lines)
     path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     return path
@@ -119,13 +140,16 @@ def overrides(root: Path, args) -> list[str]:
     """The settings of the run (its data written into `root`, with the tool's module)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "agentic_tools.py").write_text(TOOLS)
-    corpus = write_corpus(root / "corpus.jsonl", args.documents, args.calls)
+    tool = getattr(args, "tool", "add")
+    suffix = "" if tool == "add" else f"-{tool}"
+    corpus = write_corpus(root / f"corpus{suffix}.jsonl", args.documents, args.calls, tool=tool)
     problems, demonstrations, flaws, algorithms = args.problems, args.demonstrations, args.flaws, args.algorithms
     prompts = write_problems(root / "problems.jsonl", problems)
-    demos = write_demonstrations(root / f"demonstrations-{flaws:g}.jsonl", demonstrations, flaws)
+    demos = write_demonstrations(root / f"demonstrations-{flaws:g}{suffix}.jsonl", demonstrations, flaws, tool=tool)
     return [f"data.pretrain={corpus}", f"data.prompts={prompts}", f"data.sft={demos}",
             f"sft.chat_template={json.dumps(TEMPLATE)}",
-            "sft.max_length=128", "preference.max_length=128", "preference.tools=[agentic_tools:add]",
+            "sft.max_length=128", "preference.max_length=128",
+            f"preference.tools=[{'python' if tool == 'python' else 'agentic_tools:add'}]",
             "preference.max_turns=3", "eval.max_new_tokens=40", "preference.rewards=[{name: exact_match}]",
             *[f"preference.{a}.max_new_tokens=40" for a in algorithms],
             *[f"preference.{a}.ptx_coef=0" for a in algorithms], f"preference.algorithm=[{','.join(algorithms)}]"]
@@ -141,6 +165,9 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=4000)
     p.add_argument("--demonstrations", type=int, default=8000)
     p.add_argument("--flaws", type=float, default=0.6, help="share of demonstrations with the slipped operand")
+    p.add_argument("--tool", choices=["add", "python"], default="add",
+                   help="add: a Python function of the working folder; python: gptforge's python tool, the model "
+                        "writing print(a+b), run in the sandbox (docs/sandbox.md)")
     p.add_argument("--algorithms", nargs="+", default=["grpo", "ppo"])
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args()
