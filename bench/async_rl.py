@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
                 got["updates"].append(len({s["step"] for s in timeline if s["who"] == "trainer"
                                            and s["what"] == "train"}))
                 evaluated = metrics[f"eval-{algorithm}"]
-                got["exact_match"].append(evaluated.get("exact_match", evaluated.get("accuracy/exact_match")))
+                accuracy = [v for k, v in evaluated.items() if k.startswith("accuracy/")]  # the reward's (a judge's)
+                got["exact_match"].append(evaluated.get("exact_match", evaluated.get("accuracy/exact_match",
+                                                                                    accuracy[0] if accuracy else None)))
                 waits = [json.loads(line).get("tool_wait_s") for line in
                          (folder / "logs" / "metrics.jsonl").read_text().splitlines()]
                 waits = [w for w in waits if w is not None]
