@@ -75,7 +75,6 @@ class Endpoint:
         self.sessions: dict[str, Session] = {}
         self.requests: queue.Queue[Request] = queue.Queue()
         self._lock = threading.Lock()
-        self.shape: tuple = ()  # what it was made for (gptforge.model.rollout.environments.verifiers)
         self.server = ThreadingHTTPServer((host, port), handler(self))
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="policy-endpoint", daemon=True).start()

@@ -41,16 +41,12 @@ class Agent:
 def agent_spec(pc, fmt: str, max_length: int) -> dict:
     """What a rollout worker builds an `Agent` from (plain data, `spec_agent`): the preference section `pc`'s
     environment, tools and their settings, the policy's call format and an episode's length budget."""
-    return {"environment": pc.environment, "url": pc.environment_url, "endpoint": (pc.endpoint_host, pc.endpoint_port),
-            "sandbox": pc.sandbox.model_dump(), "tools": pc.tools, "timeout": pc.tool_timeout_s,
-            "concurrency": pc.tool_concurrency, "fmt": fmt, "max_turns": pc.max_turns, "max_length": max_length}
+    return {"setup": Setup.settings(pc), "fmt": fmt, "max_turns": pc.max_turns, "max_length": max_length}
 
 
 def spec_agent(spec: dict) -> Agent:
     """The `Agent` of an `agent_spec`, its environment and tools imported and checked."""
-    setup = Setup.load(spec["environment"], spec["tools"], spec["timeout"], spec["concurrency"], spec["url"],
-                       spec["endpoint"], spec["sandbox"])
-    return Agent(setup, spec["fmt"], spec["max_turns"], spec["max_length"])
+    return Agent(Setup.load(**spec["setup"]), spec["fmt"], spec["max_turns"], spec["max_length"])
 
 
 def start(tokenizer, prompt: list[dict], box: Toolbox | None) -> Episode:

@@ -157,14 +157,18 @@ def _run(uid: int, argv: list[str], stdin: str, limits: Limits) -> Result:
     for r in readers:
         r.join(1)
     status = process.returncode
-    reason = "wall time" if timed_out else "output" if flooded.is_set() else ""
-    if status is not None and status < 0:
-        reason = reason or signal.Signals(-status).name
-    if status is not None and status > 128 and not reason:  # bwrap reports its child's signal as 128 + n
-        reason = signal.Signals(status - 128).name if status - 128 in signal.Signals._value2member_map_ else ""
-    killed = bool(reason)
+    reason = "wall time" if timed_out else "output" if flooded.is_set() else ended_by(status)
     return Result(out["stdout"].decode(errors="replace"), out["stderr"].decode(errors="replace"),
-                  None if killed else status, reason, flooded.is_set())
+                  None if reason else status, reason, flooded.is_set())
+
+
+def ended_by(status: int) -> str:
+    """The signal that ended a run: a negative status (setpriv's), or bwrap's 128 + n for its child's; "" for none."""
+    n = -status if status < 0 else status - 128 if status > 128 else 0
+    try:
+        return signal.Signals(n).name if n else ""
+    except ValueError:
+        return ""
 
 
 def kill(process: subprocess.Popen) -> None:

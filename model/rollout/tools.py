@@ -86,8 +86,14 @@ class Setup:
     @classmethod
     def of(cls, pc) -> Setup:
         """The rollouts' environment and tools as the preference section `pc` names them."""
-        return cls.load(pc.environment, pc.tools, pc.tool_timeout_s, pc.tool_concurrency, pc.environment_url,
-                        (pc.endpoint_host, pc.endpoint_port), pc.sandbox.model_dump())
+        return cls.load(**cls.settings(pc))
+
+    @staticmethod
+    def settings(pc) -> dict:
+        """What `load` takes of the preference section `pc`, as plain data (a rollout worker loads it again)."""
+        return {"environment": pc.environment, "tools": pc.tools, "timeout_s": pc.tool_timeout_s,
+                "concurrency": pc.tool_concurrency, "url": pc.environment_url,
+                "endpoint": (pc.endpoint_host, pc.endpoint_port), "sandbox": pc.sandbox.model_dump()}
 
     @classmethod
     def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1,

@@ -33,17 +33,17 @@ class Driver:
         self.env = load_verifiers(spec, KEY)
         self.tasks = {task.data.idx: task for task in self.env.taskset}
         self.endpoint: Endpoint | None = None
+        self.shape: tuple = ()  # what the endpoint was made for
 
     def serving(self, tokenizer, fmt: str, max_turns: int, max_length: int, stop_ids: set[int]) -> Endpoint:
         """The endpoint, one for the process's stage (a new one where the episodes' budgets or model change: an
         evaluation's after training's)."""
         shape = (id(tokenizer), fmt, max_turns, max_length, frozenset(stop_ids))
-        if self.endpoint is None or self.endpoint.shape != shape:
+        if self.endpoint is None or self.shape != shape:
             if self.endpoint is not None:
                 self.endpoint.close()
             host, port = self.bind
-            self.endpoint = Endpoint(tokenizer, fmt, max_turns, max_length, stop_ids, host, port)
-            self.endpoint.shape = shape
+            self.endpoint, self.shape = Endpoint(tokenizer, fmt, max_turns, max_length, stop_ids, host, port), shape
             atexit.register(self.endpoint.close)
         return self.endpoint
 
