@@ -35,22 +35,35 @@ STAGES = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False), 
 
 
 def model_state_bytes(n: int, largest_layer: int, zero_stage: int, gpus_per_node: int, nodes: int,
-                      offload: bool) -> tuple[float, float]:
+                      offload: bool, muon: int = 0) -> tuple[float, float]:
     """(bytes per GPU, host bytes per node) of model states, as DeepSpeed's estimators count them for ZeRO-2 and
-    ZeRO-3 (zero_init: partitioned as they load) with the same byte counts for ZeRO-0 and ZeRO-1."""
+    ZeRO-3 (zero_init: partitioned as they load) with the same byte counts for ZeRO-0 and ZeRO-1. `muon`: the
+    parameters Muon steps (optimizer: muon), whose one fp32 momentum takes the place of Adam's two moments (4
+    bytes a parameter less, where the optimizer's states are)."""
     gpus = gpus_per_node * nodes
     load = n * 4 * gpus_per_node * BUFFER_FACTOR  # each process of a node loads the fp32 model on the host
+    saved = 4 * muon
     if zero_stage == 3:
         largest = 4 * largest_layer
         if offload:
-            return largest + 2 * n / gpus, n * 16 / nodes * BUFFER_FACTOR
-        return largest + 18 * n / gpus, largest_layer * 4 * gpus_per_node * BUFFER_FACTOR
-    offloaded = n * max(4 * gpus_per_node, 16 / nodes) * BUFFER_FACTOR  # DeepSpeed's on one node (see below)
+            return largest + 2 * n / gpus, (n * 16 - saved) / nodes * BUFFER_FACTOR
+        return largest + (18 * n - saved) / gpus, largest_layer * 4 * gpus_per_node * BUFFER_FACTOR
+    # DeepSpeed's on one node (see below)
+    offloaded = max(n * 4 * gpus_per_node, (n * 16 - saved) / nodes) * BUFFER_FACTOR
     if zero_stage == 2:
-        return (2 * n, offloaded) if offload else (2 * n + 18 * n / gpus, load)
+        return (2 * n, offloaded) if offload else (2 * n + (18 * n - saved) / gpus, load)
     if zero_stage == 1:  # gradients whole on every GPU
-        return (4 * n, offloaded) if offload else (4 * n + 16 * n / gpus, load)
-    return 20 * n, load
+        return (4 * n, offloaded) if offload else (4 * n + (16 * n - saved) / gpus, load)
+    return 20 * n - saved, load
+
+
+def muon_params(model) -> int:
+    """The parameters DeepSpeed's Muon steps under gptforge (gptforge.model.train.engine.muon_matrices): the 2-D
+    weights other than the embedding tables and the head."""
+    from gptforge.model.train.engine import embedding_params
+
+    tables = embedding_params(model)
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in tables)
 
 
 def largest_layer_params(model) -> int:
@@ -141,11 +154,12 @@ def lora_state_bytes(n: int, adapters: int, largest_layer: int, zero_stage: int,
 
 def make_plan(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, gpus: int, tokens: float | None = None,
               peak_tflops: float = 989.0, mfu: float = 0.4, gpus_per_node: int = 8, config=None,
-              lora=None, lc: LongContext = LongContext()) -> Plan:
+              lora=None, lc: LongContext = LongContext(), optimizer: str = "adamw") -> Plan:
     """The plan for `gpus` GPUs, gpus_per_node a node (fewer on one node). FLOPs and time count the active
     parameters (a mixture of experts computes only its routed experts); memory counts them all. `config`: a
     pretrained model's transformers config, counted as that model is built; `lora`: a lora section with r > 0,
-    whose run holds the base frozen (in 16 bits, or lora.quantize bits) and trains only the adapters."""
+    whose run holds the base frozen (in 16 bits, or lora.quantize bits) and trains only the adapters; `optimizer`:
+    the section's (muon: one moment for the hidden matrices, not two)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -161,7 +175,8 @@ def make_plan(arch: Arch, vocab_size: int, seq_len: int, micro_batch: int, gpus:
         memory = {(z, off): lora_state_bytes(n, adapters, largest, z, per_node, nodes, off, base_bytes)
                   for z, off in STAGES}
     else:
-        memory = {(z, off): model_state_bytes(n, largest, z, per_node, nodes, off) for z, off in STAGES}
+        muon = muon_params(model) if optimizer == "muon" else 0
+        memory = {(z, off): model_state_bytes(n, largest, z, per_node, nodes, off, muon) for z, off in STAGES}
     acts = {ckpt: activation_bytes(arch, vocab_size, seq_len, micro_batch, ckpt, lc) for ckpt in (False, True)}
     days = fpt * tokens / (gpus * peak_tflops * 1e12 * mfu) / 86400
     return Plan(n, active, largest, fpt, TOKENS_PER_PARAM * n, fpt * tokens, memory, acts,
@@ -258,7 +273,8 @@ def stage_verdict(cfg, train, world: int, device: torch.device, vocab_size: int,
     section = next(name for name in TRAINED_SECTIONS if getattr(cfg, name) is train)
     p = make_plan(arch, vocab_size, seq_len, train.micro_batch_size, world, gpus_per_node=dist.nproc_per_node,
                   config=config, lora=train.lora,
-                  lc=long_context(cfg, section, sp, seq_len, train.micro_batch_size, vocab_size, arch.n_embd))
+                  lc=long_context(cfg, section, sp, seq_len, train.micro_batch_size, vocab_size, arch.n_embd),
+                  optimizer=getattr(train, "optimizer", "adamw"))
     line = verdict(p, dist.zero_stage, dist.offload_optimizer, dist.activation_checkpointing, world,
                    device_memory_gib(device))
     return f"the planner ({cfg.model.name()}): {line}"
@@ -279,7 +295,8 @@ def fits(cfg, train, student_dir, teacher_dir, section: str) -> str | None:
     seq_len = getattr(train, "max_length", None) or arch.n_positions
     p = make_plan(arch, config.vocab_size, seq_len, train.micro_batch_size, world, gpus_per_node=dist.nproc_per_node,
                   config=config, lora=train.lora,
-                  lc=long_context(cfg, section, 1, seq_len, train.micro_batch_size, config.vocab_size, arch.n_embd))
+                  lc=long_context(cfg, section, 1, seq_len, train.micro_batch_size, config.vocab_size, arch.n_embd),
+                  optimizer=getattr(train, "optimizer", "adamw"))
     teacher = 0.0
     if teacher_dir is not None:
         from transformers import AutoModelForCausalLM

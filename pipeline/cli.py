@@ -272,8 +272,10 @@ def cmd_plan(args) -> int:
     vocab = args.vocab_size or arch.vocab_size
     plan = make_plan(arch, vocab, seq_len, section.micro_batch_size, args.gpus, args.tokens, args.peak_tflops,
                      args.mfu, args.gpus_per_node, config, section.lora,
-                     long_context(cfg, decl.section, sp, seq_len, section.micro_batch_size, vocab, arch.n_embd))
+                     long_context(cfg, decl.section, sp, seq_len, section.micro_batch_size, vocab, arch.n_embd),
+                     getattr(section, "optimizer", "adamw"))
     name = cfg.model.name() + (f", {args.stage} with LoRA r={section.lora.r}" if section.lora.r else "")
+    name += ", Muon" if getattr(section, "optimizer", "adamw") == "muon" else ""
     print(render(plan, name, args.gpus, args.gpu_mem, seq_len, section.micro_batch_size,
                  args.tokens is not None, args.peak_tflops, args.mfu, cfg.distributed.activation_checkpointing))
     return 0

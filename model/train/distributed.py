@@ -87,9 +87,10 @@ def import_deepspeed():
       import takes on a CPU core; gptforge never autotunes). MLflow imports as usual afterwards.
     - its Muon optimizer's modules, which the ZeRO optimizers import at their start and in every backward only to
       ask `isinstance(optimizer, MuonWithAuxAdam)` or to hold `muon_update` for Muon's parameters, and which
-      compile their kernels with torch.compile as they are imported, importing Inductor (2 s a rank). Every
-      engine gptforge builds steps AdamW (gptforge.model.train.engine, and the TRL Trainer's), so modules whose class
-      nothing is an instance of, and whose update is never called, answer the same."""
+      compile their kernels with torch.compile as they are imported, importing Inductor (2 s a rank). An engine
+      that steps AdamW (gptforge.model.train.engine's by default, and the TRL Trainer's) asks modules whose class
+      nothing is an instance of, and whose update is never called: these answer the same. An engine with
+      `optimizer: muon` loads the real ones first (`load_muon`)."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
     hide = "mlflow" not in sys.modules
@@ -106,6 +107,18 @@ def import_deepspeed():
         stand_in.__dict__.update(attrs)
         sys.modules.setdefault(f"{MUON}.{name}", stand_in)
     return deepspeed
+
+
+def load_muon() -> None:
+    """DeepSpeed's own Muon modules in place of import_deepspeed's stand-ins, for an engine that steps Muon
+    (`optimizer: muon`): the ZeRO optimizers import them inside their functions, so they find these from now on."""
+    import importlib
+
+    for name in ("muon_optimizer", "original_muon"):
+        module = sys.modules.get(f"{MUON}.{name}")
+        if module is not None and (module.__doc__ or "").startswith("Stands in"):
+            del sys.modules[f"{MUON}.{name}"]
+    importlib.import_module(f"{MUON}.muon_optimizer")
 
 
 def return_freed_memory(threshold: int = 8 << 20) -> None:

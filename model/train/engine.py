@@ -1,6 +1,7 @@
-"""DeepSpeed engines as every training stage builds them: the ZeRO config from configs/deepspeed, AdamW with
-decay on matrices only, warmup then cosine decay to min_lr (transformers' `cosine_with_min_lr`, the one the TRL
-stages use too), and one clear message when memory runs out at start-up."""
+"""DeepSpeed engines as every training stage builds them: the ZeRO config from configs/deepspeed, AdamW (or
+DeepSpeed's Muon on the hidden matrices) with decay on matrices only, warmup then cosine decay to min_lr
+(transformers' `cosine_with_min_lr`, the one the TRL stages use too) or warmup-stable-decay, and one clear message
+when memory runs out at start-up."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from gptforge.core.errors import UserError
-from gptforge.model.train.distributed import return_freed_memory
+from gptforge.model.train.distributed import load_muon, return_freed_memory
 
 DS_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 
@@ -59,10 +60,32 @@ def deepspeed_config(dist, train, world: int, device: torch.device, hidden_size:
         train_micro_batch_size_per_gpu=train.micro_batch_size,
         gradient_accumulation_steps=train.global_batch_size // (train.micro_batch_size * world),
         gradient_clipping=train.grad_clip,
-        optimizer={"type": "AdamW", "params": {"lr": train.lr, "betas": [0.9, 0.95], "eps": 1e-8, "foreach": True,
-                                               "weight_decay": train.weight_decay, "torch_adam": True}},
+        optimizer=optimizer_config(train),
     )
+    if cfg["optimizer"]["type"] == "Muon":
+        # DeepSpeed's ZeRO Muon orthogonalises whole matrices, which a reduce-scatter would leave in slices; and its
+        # ZeRO 1-3 take the norm to clip by after the orthogonalisation, so that each matrix's update (norm about
+        # the square root of its smaller side) would be clipped down to a tenth of Muon's step at this model's
+        # width. Muon's update has its scale by construction: no clipping (measured: the same step as ZeRO-0's).
+        cfg["zero_optimization"]["reduce_scatter"] = False
+        cfg["gradient_clipping"] = 0.0
+        if "bf16" in cfg:  # DeepSpeed's bf16 Muon accumulates its gradients in fp32
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
+
+
+def optimizer_config(train) -> dict:
+    """DeepSpeed's optimizer block: AdamW (torch's); or, with `optimizer: muon`, DeepSpeed's Muon
+    (`MuonWithAuxAdam`): deepspeed.initialize tags the 2-D weights that are neither embeddings nor the head
+    `use_muon`, Muon (Newton-Schulz orthogonalised Nesterov momentum) steps them at `muon_lr`, and torch's AdamW the
+    rest at `lr`. Under ZeRO 1 and 2 each matrix's gradient is orthogonalised whole where its partition is filled
+    (the slices of a matrix split over ranks all-gathered first), under ZeRO-3 in the optimizer's sub-group loop; the
+    momentum is partitioned as Adam's moments are, and saved in the same checkpoints. A section without the
+    setting (the online stages' own) trains with AdamW."""
+    adam = {"lr": train.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": train.weight_decay, "torch_adam": True}
+    if getattr(train, "optimizer", "adamw") == "muon":
+        return {"type": "Muon", "params": {**adam, "muon_lr": train.muon_lr, "momentum": train.muon_momentum}}
+    return {"type": "AdamW", "params": {**adam, "foreach": True}}
 
 
 def build_config(config: dict) -> dict:
@@ -88,10 +111,18 @@ def min_lr_rate(train) -> float:
     return min(1.0, train.min_lr / train.lr)
 
 
-def lr_factor(step: int, warmup: int, total: int, rate: float) -> float:
+def lr_factor(step: int, warmup: int, total: int, rate: float, decay: float | None = None) -> float:
     """The learning rate over its peak at `step`: linear warmup from 0 over `warmup` steps, then cosine decay to
     `rate` at `total`. The factor of transformers' `cosine_with_min_lr` schedule, which the TRL stages take, written
-    here because importing transformers' schedules imports its Trainer's utilities (and PEFT) in every rank."""
+    here because importing transformers' schedules imports its Trainer's utilities (and PEFT) in every rank. With
+    `decay` (a share of `total`), warmup-stable-decay (WSD, MiniCPM's): the peak held until the last `decay` of the
+    steps, then a linear decay to `rate` at `total`; a run's stable phase does not depend on where it ends. Its
+    warmup starts at `rate`, as transformers' `warmup_stable_decay` (the TRL stages') does."""
+    if decay is not None:
+        if step < warmup:
+            return rate + (1 - rate) * step / warmup
+        start = max(warmup, total - round(decay * total))
+        return 1.0 if step < start else max(rate, 1 - (1 - rate) * (step - start) / max(1, total - start))
     if step < warmup:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
@@ -99,9 +130,13 @@ def lr_factor(step: int, warmup: int, total: int, rate: float) -> float:
 
 
 def lr_schedule(optimizer, train):
-    """Linear warmup from 0 over warmup_steps, then cosine decay to min_lr at max_steps."""
+    """Linear warmup from 0 over warmup_steps, then cosine decay to min_lr at max_steps (or, with `schedule: wsd`,
+    the peak held, then a linear decay over the last decay_fraction of the steps). Each parameter group's own peak
+    (Muon's muon_lr, AdamW's lr) is scaled by the same factor."""
+    wsd = getattr(train, "schedule", "cosine") == "wsd"
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_factor, warmup=train.warmup_steps, total=train.max_steps, rate=min_lr_rate(train)))
+        lr_factor, warmup=train.warmup_steps, total=train.max_steps, rate=min_lr_rate(train),
+        decay=train.decay_fraction if wsd else None))
 
 
 def inference_config(dist, device: torch.device, world: int, hidden_size: int | None, partition: bool) -> dict:
@@ -165,11 +200,59 @@ def init_engine(model, config: dict, train, dist, universal: bool = False, verdi
 
     if universal:
         config = {**config, "checkpoint": {"load_universal": True}}
-    with startup_oom(dist, train, verdict=verdict):
+    muon = config["optimizer"]["type"] == "Muon"
+    if muon:
+        load_muon()
+    with startup_oom(dist, train, verdict=verdict), muon_matrices(model) if muon else contextlib.nullcontext():
         engine, _, _, scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, train.weight_decay), config=config,
             lr_scheduler=lambda opt: lr_schedule(opt, train), mpu=mpu)
+    if muon and engine.global_rank == 0:
+        sizes = [(getattr(p, "ds_numel", p.numel()), p.use_muon) for p in model.parameters() if p.requires_grad]
+        matrices = sum(n for n, on in sizes if on)
+        rest = sum(n for n, _ in sizes) - matrices
+        print(f"[{section_name(train)}] Muon on {sum(on for _, on in sizes)} matrices ({matrices / 1e6:.2f}M "
+              f"parameters, lr {train.muon_lr:g}), AdamW on the rest ({rest / 1e6:.2f}M, lr {train.lr:g})", flush=True)
     return engine, scheduler, config["gradient_accumulation_steps"]
+
+
+def section_name(train) -> str:
+    """The config section of a section object: pretrain, sft, reward, ..."""
+    return type(train).__name__.removesuffix("Section").lower()
+
+
+def embedding_params(model) -> set[int]:
+    """The ids of the model's embedding tables and of its head, whatever it is (a language model's, tied or not, a
+    reward model's `score`): every parameter outside the transformers model's backbone (`base_model`; under PEFT,
+    that of the model it wraps). What Muon leaves to AdamW."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    backbone = {id(p) for p in getattr(inner, "base_model", inner).parameters()}
+    tables = [p for m in inner.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()]
+    return {id(p) for p in tables} | {id(p) for p in inner.parameters() if id(p) not in backbone}
+
+
+@contextlib.contextmanager
+def muon_matrices(model):
+    """Inside the block, deepspeed.initialize tags Muon's parameters as DeepSpeed does (2-D, not named `embed` or
+    `lm_head`), and then every embedding table and the head AdamW's whatever their names: GPT-2's `wte` and `wpe`
+    (and the head tied to `wte`) are matrices DeepSpeed's names would give to Muon."""
+    import deepspeed
+
+    tag = deepspeed.set_optimizer_flags
+    tables = embedding_params(model)
+
+    def flags(config_class, module):
+        tag(config_class, module)
+        for p in module.parameters():
+            if id(p) in tables:
+                p.use_muon = False
+
+    deepspeed.set_optimizer_flags = flags
+    try:
+        yield
+    finally:
+        deepspeed.set_optimizer_flags = tag
 
 
 def is_oom(err: BaseException) -> bool:
@@ -188,7 +271,7 @@ def startup_oom(dist, train, active: bool = True, verdict: Callable[[], str] | N
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not (active and is_oom(e)):
             raise
-        name = type(train).__name__.removesuffix("Section").lower()  # the config section: pretrain, sft, ...
+        name = section_name(train)
         raise UserError(
             f"out of memory at start-up ({e.__class__.__name__}) with distributed.zero_stage={dist.zero_stage}, "
             f"distributed.offload_optimizer={dist.offload_optimizer}, "

@@ -34,8 +34,7 @@ def trainer_kwargs(section, dist, data_parallel: int, out_dir: Path, seed: int) 
         output_dir=str(out_dir / "checkpoints"), seed=seed, data_seed=seed, deepspeed=zero_config(dist, device),
         per_device_train_batch_size=section.micro_batch_size,
         gradient_accumulation_steps=section.global_batch_size // (section.micro_batch_size * data_parallel),
-        learning_rate=section.lr, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": min_lr_rate(section)}, warmup_steps=section.warmup_steps,
+        learning_rate=section.lr, **schedule_kwargs(section), warmup_steps=section.warmup_steps,
         max_steps=section.max_steps, weight_decay=section.weight_decay, max_grad_norm=section.grad_clip,
         adam_beta2=0.95, logging_steps=section.log_every, save_strategy="steps", save_steps=section.save_every,
         save_total_limit=section.keep_last, report_to=[],  # our TrainerMetrics writes the JSONL and TensorBoard
@@ -44,6 +43,17 @@ def trainer_kwargs(section, dist, data_parallel: int, out_dir: Path, seed: int) 
         disable_tqdm=False, dataloader_num_workers=0, remove_unused_columns=False,
         ddp_timeout=int(dist.timeout_minutes * 60),
     )
+
+
+def schedule_kwargs(section) -> dict:
+    """The section's schedule as transformers names it: `cosine_with_min_lr`, or `warmup_stable_decay` with a
+    linear decay over the last decay_fraction of the steps to min_lr (gptforge.model.train.engine.lr_factor's)."""
+    if section.schedule == "wsd":
+        decay = section.max_steps - max(section.warmup_steps, section.max_steps - round(section.decay_fraction
+                                                                                      * section.max_steps))
+        return dict(lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={
+            "num_decay_steps": decay, "min_lr_ratio": min_lr_rate(section), "decay_type": "linear"})
+    return dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": min_lr_rate(section)})
 
 
 class ProgressBar(ProgressCallback):

@@ -151,3 +151,26 @@ def test_sequence_parallelism_that_cannot_run_is_one_error_naming_the_key(overri
     with pytest.raises(ConfigError) as e:
         load_config(TINY, overrides)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, says, fixed", [
+    (["model.preset=moe-tiny", "distributed.zero_stage=0", "pretrain.optimizer=muon"],
+     "pretrain.optimizer=muon with distributed.zero_stage=0 does not serve a mixture of experts in bf16",
+     ["distributed.zero_stage=2"]),
+    (["distributed.sequence_parallel=2", "distributed.zero_stage=0", "sft.optimizer=muon"],
+     "sft.optimizer=muon with distributed.zero_stage=0 does not serve sequence parallelism in bf16",
+     ["distributed.precision=fp32"]),
+    (["preference.optimizer=muon", "preference.algorithm=[ppo,grpo]"],
+     "preference.optimizer=muon: grpo trains through TRL's GRPO trainer, which steps its own AdamW",
+     ["preference.algorithm=ppo"]),
+    (["reward.optimizer=sgd"], "reward.optimizer", ["reward.optimizer=adamw"]),
+    (["pretrain.schedule=wsd", "pretrain.decay_fraction=0"], "pretrain.decay_fraction", ["pretrain.decay_fraction=1"]),
+])
+def test_muon_or_a_schedule_that_cannot_run_is_one_error_naming_the_key(overrides, says, fixed):
+    """DeepSpeed's Muon without ZeRO (its bf16 optimizer on GPUs) steps dense matrices over data parallelism only,
+    and TRL's trainers step their own AdamW; the same settings with ZeRO 1-3, in fp32, or in gptforge's own loop
+    (PPO) load."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert says in str(e.value) and "\n" not in str(e.value)
+    assert load_config(TINY, [*overrides, *fixed])

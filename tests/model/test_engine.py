@@ -42,3 +42,31 @@ def test_the_schedule_is_the_one_the_trl_stages_take():
         opt.step()
         theirs.step()
     assert lrs(3e-4, 1e-5, 7, 50) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_as_the_trl_stages_schedule_it():
+    """warmup-stable-decay in our loops (lr_factor with a decay share) and in the TRL stages (transformers'
+    warmup_stable_decay, as hf_trainer.schedule_kwargs asks for it) agree at every step: warmup, the peak held until
+    the last 30% of the steps, a linear fall to min_lr at the end (warmup from min_lr, as transformers' does)."""
+    from transformers import get_scheduler
+
+    from gptforge.model.train.engine import lr_factor
+    from gptforge.model.train.hf_trainer import schedule_kwargs
+
+    section = load_config(TINY, ["preference.schedule=wsd", "preference.decay_fraction=0.3", "preference.lr=3e-4",
+                                 "preference.min_lr=1e-5", "preference.warmup_steps=7",
+                                 "preference.max_steps=50"]).preference
+    ours = [3e-4 * lr_factor(s, 7, 50, 1e-5 / 3e-4, 0.3) for s in range(51)]
+    assert ours[0] == pytest.approx(1e-5) and ours[7:36] == pytest.approx([3e-4] * 29)
+    assert ours[50] == pytest.approx(1e-5)
+    assert ours[40] == pytest.approx(3e-4 - (3e-4 - 1e-5) * 5 / 15)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+    kwargs = schedule_kwargs(section)
+    theirs = get_scheduler(kwargs["lr_scheduler_type"], opt, num_warmup_steps=7, num_training_steps=50,
+                           scheduler_specific_kwargs=kwargs["lr_scheduler_kwargs"])
+    expected = []
+    for _ in range(51):
+        expected.append(theirs.get_last_lr()[0])
+        opt.step()
+        theirs.step()
+    assert ours == pytest.approx(expected, rel=1e-9, abs=1e-15)

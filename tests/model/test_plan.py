@@ -40,6 +40,20 @@ def test_gpt3_175b_against_the_paper():
     assert p.memory[(3, False)][0] == pytest.approx(4 * p.largest_layer + 18 * p.n_params / 1024)
 
 
+def test_muon_holds_one_moment_for_the_hidden_matrices():
+    """Muon's momentum takes the place of Adam's two moments on the 2-D weights other than the embedding tables and
+    the head: 4 bytes a parameter less where the optimizer's states are (partitioned, or on the host with offload)."""
+    arch = PRESETS["llama-7b"]
+    adam, muon = (make_plan(arch, arch.vocab_size, 2048, 1, 8, optimizer=o) for o in ("adamw", "muon"))
+    matrices = adam.n_params - 2 * arch.vocab_size * arch.n_embd - sum(  # untied embedding and head; the norms
+        arch.n_embd for _ in range(2 * arch.n_layer + 1))
+    for stage, offload in ((0, False), (1, False), (2, False), (3, False)):
+        saved = adam.memory[(stage, offload)][0] - muon.memory[(stage, offload)][0]
+        assert saved == pytest.approx(4 * matrices / (1 if stage == 0 else 8)), (stage, offload)
+    assert adam.memory[(3, True)][1] - muon.memory[(3, True)][1] == pytest.approx(4 * matrices * 1.5)
+    assert "llama-7b, Muon:" in gptforge_plan("--set", "model.preset=llama-7b", "--set", "pretrain.optimizer=muon")
+
+
 def _count(arch):
     with torch.device("meta"):
         model = build_model(arch, arch.vocab_size)

@@ -125,6 +125,37 @@ def test_killed_at_two_processes_resumed_at_one(zero2, killed, tmp_path):
     assert manifest["metrics"]["val_loss"] == pytest.approx(zero2[0]["metrics"]["val_loss"], abs=1e-3)
 
 
+MUON = ["distributed.zero_stage=2", "pretrain.optimizer=muon", "pretrain.schedule=wsd", "pretrain.decay_fraction=0.4"]
+
+
+def test_muon_with_wsd_killed_then_rerun_matches_uninterrupted(zero2, tokenized, tmp_path):
+    """DeepSpeed's Muon on the hidden matrices (AdamW on GPT-2's embedding tables and its tied head, which
+    DeepSpeed's own names would give to Muon) with warmup-stable-decay, 2 processes under ZeRO-2: the learning rate
+    holds at muon_lr until the last 40% of the steps, then falls linearly to min_lr; SIGKILLed after its step-10
+    checkpoint, the rerun ends on the uninterrupted run's loss curve (the momentum and the schedule restored); and
+    Muon ends below AdamW's cosine run on the same data and steps."""
+    from gptforge.model.train.engine import lr_factor
+
+    manifest, out_dir, out = pretrain(tokenized, tmp_path / "full", *MUON)
+    line = re.search(r"^\[pretrain\] Muon on (\d+) matrices \(([\d.]+)M parameters, lr 0.02\), AdamW on the rest "
+                     r"\(([\d.]+)M, lr 0.002\)", out, re.M)
+    assert line and int(line[1]) == 2 * 4, out[-3000:]  # each of the 2 layers' qkv, proj, fc and mlp proj
+    assert float(line[3]) > 0.05  # wte (with the head tied to it), wpe, the norms and biases
+    rate = 1e-4 / 2e-3  # min_lr / lr
+    assert logged(out_dir, "lr") == pytest.approx([0.02 * lr_factor(s, 5, 30, rate, 0.4) for s in range(1, 31)])
+    assert logged(out_dir, "lr")[17] == pytest.approx(0.02)  # step 18, the last of the stable phase
+    assert manifest["metrics"]["val_loss"] < zero2[0]["metrics"]["val_loss"] - 0.1
+
+    root = tmp_path / "killed"
+    cfg, path = config(root, *MUON)
+    tokenize_from(tokenized, cfg)
+    kill_after_checkpoint(cfg, path, "pretrain", step=10)
+    resumed, resumed_dir, out = run_stage(cfg, path, "pretrain")
+    assert "[pretrain] resumed from" in out
+    assert logged(resumed_dir, "loss") == pytest.approx(logged(out_dir, "loss"), abs=1e-6)
+    assert resumed["metrics"]["val_loss"] == pytest.approx(manifest["metrics"]["val_loss"], abs=1e-6)
+
+
 def test_invalid_checkpoints_are_skipped_with_a_warning(zero2, tmp_path, capsys):
     src = zero2[1] / "checkpoints"
     for name in ("step-00000015", "step-00000020", "step-00000025"):

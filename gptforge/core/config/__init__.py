@@ -31,7 +31,7 @@ from gptforge.core.config.training import (CURATE_FILTERS, REWARD_BUILT_IN, Cura
                                            PPOSection, PreferenceSection, PretrainSection, RewardSection, RewardSpec,
                                            RLOOSection, SFTSection, TrainSection)
 from gptforge.core import procedural
-from gptforge.core.declarations import TRAINED_SECTIONS, ULYSSES_SPLITS
+from gptforge.core.declarations import STAGES, TRAINED_SECTIONS, ULYSSES_SPLITS
 from gptforge.core.errors import ConfigError
 
 
@@ -80,6 +80,15 @@ class PipelineConfig(Section):
                 raise ValueError(f"{name}.{mask_key} with distributed.sequence_parallel={sp}: Ulysses attends over the "
                                  "whole gathered sequence without a mask, so its documents would see each other; set "
                                  "one of them off")
+        moe = not self.model.pretrained and self.model.arch().is_moe
+        for name in TRAINED_SECTIONS:  # DeepSpeed's bf16 Muon without ZeRO: dense matrices, data parallel only
+            section = getattr(self, name)
+            if (getattr(section, "optimizer", "adamw") == "muon" and section.enabled
+                    and self.distributed.zero_stage == 0 and self.distributed.precision != "fp32" and (moe or sp > 1)):
+                raise ValueError(f"{name}.optimizer=muon with distributed.zero_stage=0 does not serve "
+                                 f"{'a mixture of experts' if moe else 'sequence parallelism'} in bf16 (DeepSpeed's "
+                                 "Muon without ZeRO steps dense matrices over data parallelism only): set "
+                                 "distributed.zero_stage to 1, 2 or 3, or distributed.precision=fp32")
         if sp > 1 and not self.model.pretrained:
             if self.model.arch().n_head % sp:
                 raise ValueError(f"distributed.sequence_parallel={sp} does not divide the model's "
@@ -108,6 +117,11 @@ class PipelineConfig(Section):
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "
                                  "update over all processes")
+        led = [a for a in pc.algorithms() if STAGES[a].trainer] if pc.enabled and pc.optimizer == "muon" else []
+        if led:
+            raise ValueError(f"preference.optimizer=muon: {led[0]} trains through TRL's {STAGES[led[0]].trainer} "
+                             "trainer, which steps its own AdamW; Muon runs in gptforge's own loops (pretrain, sft, "
+                             "reward, ppo, distill): set preference.optimizer=adamw")
         checks = [(i, r.name) for i, r in enumerate(pc.rewards) if r.url is None and r.name in ("exact_match",
                                                                                                "math_equal")]
         if online and checks and self.data.prompts.path is None and self.data.preference.path != "demo":

@@ -19,6 +19,14 @@ class TrainSection(Section):
     min_lr: float = Setting(1e-4, ge=0, description="Learning rate at the end of cosine decay.")
     warmup_steps: int = Setting(20, ge=0, description="Linear warmup steps.")
     max_steps: int = Setting(200, ge=1, description="Optimizer steps.")
+    optimizer: Literal["adamw", "muon"] = Setting("adamw", description="adamw; or muon: DeepSpeed's Muon on the 2-D "
+                                                  "hidden matrices, AdamW (lr) on embeddings, head, norms and biases.")
+    muon_lr: float = Setting(0.02, gt=0, description="Peak learning rate of Muon's matrices (optimizer: muon).")
+    muon_momentum: float = Setting(0.95, gt=0, lt=1, description="Muon's momentum (Nesterov), optimizer: muon.")
+    schedule: Literal["cosine", "wsd"] = Setting("cosine", description="After warmup: cosine decay to min_lr; or wsd: "
+                                                 "constant at lr, then a linear decay to min_lr over decay_fraction.")
+    decay_fraction: float = Setting(0.2, gt=0, le=1, description="Share of max_steps the wsd schedule decays over, "
+                                    "at the end (schedule: wsd).")
     micro_batch_size: int = Setting(16, ge=1, description="Sequences per process per forward pass.")
     global_batch_size: int = Setting(32, ge=1, description="Sequences per optimizer step over all processes.")
     weight_decay: float = Setting(0.1, ge=0, description="AdamW weight decay.")
