@@ -18,6 +18,9 @@ column of the prompts' rows, one list each (as TRL hands its reward functions th
 - `unit_tests`: the share of the row's `tests` (Python statements) the response's program passes, run in the
   sandbox (gptforge.model.rollout.sandbox).
 
+A stage with `overlong: penalty` adds `overlong` (gptforge.model.rollout.overlong), DAPO's soft penalty of
+responses near their length budget.
+
 A name with a colon is the user's own function, `package.module:function`, imported from the working folder or
 an installed package. A `url` is a reward server: the batch as one JSON POST
 (`{"prompts", "responses", "answers", **columns}`), answered by `{"rewards": [...]}` or a list, with a timeout and
@@ -243,12 +246,19 @@ def check_answers(rewards: list[Reward], answers: list, source: str) -> None:
                         "({prompt, answer}, a conversation ending in the reference, or GSM8K's #### answer)")
 
 
-def for_stage(cfg, tokenizer, need: int, split: str = "train") -> tuple[list[Reward], list[dict]]:
+def for_stage(cfg, tokenizer, need: int, split: str = "train", sampling=None) -> tuple[list[Reward], list[dict]]:
     """An online stage's rewards and prompts (gptforge.data.splits.online_prompts, the `split` rows): at least
-    `need` of them, with reference answers where a checker needs them; else one error line naming the data."""
+    `need` of them, with reference answers where a checker needs them; else one error line naming the data.
+    `sampling`: the stage's online section, whose `overlong: penalty` adds the reward `overlong`
+    (gptforge.model.rollout.overlong)."""
     from gptforge.data import splits
 
     rewards = build(cfg.preference, tokenizer)
+    if sampling is not None and sampling.overlong == "penalty":
+        from gptforge.model.rollout import overlong
+
+        fn = overlong.penalty(tokenizer, sampling.max_new_tokens, sampling.overlong_buffer, sampling.overlong_penalty)
+        rewards.append(Reward("overlong", 1.0, "overlong", fn, passes=False))
     key = "data.prompts" if cfg.data.prompts.path is not None else "data.preference"
     items = getattr(splits.online_prompts(cfg.data), split)
     splits.require(len(items), need, "distinct prompts", "preference.global_batch_size", key)

@@ -1,6 +1,7 @@
 """GRPO stage: online RL of the SFT policy with TRL's GRPOTrainer: num_generations completions a prompt, their
 rewards less the group's mean (divided by the group's or batch's std, or not: preference.grpo.scale_rewards) as
-the advantage. Rewarded by preference.rewards on the online prompts (data.prompts), with an optional ptx term,
+the advantage, in TRL's loss of preference.grpo.loss_type (grpo, dr_grpo, dapo, bnpo, cispo, sapo) with the
+ratio per token or per sequence (GSPO: importance_sampling_level). Rewarded by preference.rewards on the online prompts (data.prompts), with an optional ptx term,
 under DeepSpeed ZeRO (accelerate launch); the body it shares with rloo is gptforge.stages.trl_online.
 
     gptforge stage grpo -c CONFIG      (finds its inputs and output in the stage store)
@@ -24,7 +25,10 @@ RANK_IMPORTS = ("trl.trainer.grpo_trainer",)
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
-    return trl_online.train(cfg, inputs, out_dir, STAGES["grpo"], scale_rewards=cfg.preference.grpo.scale_rewards)
+    gc = cfg.preference.grpo
+    return trl_online.train(cfg, inputs, out_dir, STAGES["grpo"], scale_rewards=gc.scale_rewards,
+                            loss_type=gc.loss_type, importance_sampling_level=gc.importance_sampling_level,
+                            epsilon_high=gc.epsilon_high)
 
 
 if __name__ == "__main__":

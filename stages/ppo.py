@@ -40,6 +40,7 @@ from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model import rewards
+from gptforge.model.rollout import overlong
 from gptforge.model.rollout.generate import (check_same_vocabulary, policy_and_judge, reward_scores,
                                              same_vocabulary, stop_ids)
 from gptforge.model.rollout.calls import format_of
@@ -122,7 +123,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(d), f"{key} {d}")
     per_rank = pc.global_batch_size // world  # prompts each rank rolls out per step
     minibatches = per_rank // pc.micro_batch_size
-    scoring, items = rewards.for_stage(cfg, tokenizer, per_rank * world)
+    scoring, items = rewards.for_stage(cfg, tokenizer, per_rank * world, sampling=oc)
     prompts, answers = [it["prompt"] for it in items], [it["answer"] for it in items]
     columns = rewards.columns_of(items)
     calls = Concurrent(pc.tool_concurrency)  # the rewards' functions and servers, at once
@@ -174,11 +175,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
         order.load_state_dict(state["loader"])
         guard.load_state_dict(state.get("guard"))
     log = MetricsLog(out_dir / "logs", rank, resume_step=step)
-    synced = dist.zero_stage == 3
+    synced, stops = dist.zero_stage == 3, stop_ids(actor)
     everyone = (lambda any_open: all_sum([float(any_open)], device)[0] > 0) if synced else None
     source = rollout_source(cfg, oc, actor_engine.module, sft_dir, tokenizer, agent, agent_spec,
                             lambda ids: ([prompts[i] for i in ids], [items[i] for i in ids]), rank, world, synced,
-                            everyone, stop_ids(actor), out_dir / "logs")
+                            everyone, stops, out_dir / "logs")
     try:
         # the checkpoint's batches in flight (none where another number of processes wrote it: then fresh ones,
         # the weights' version the steps taken)
@@ -216,6 +217,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                              "environment_reward": environment_rewards(episodes, agent.setup.calls)}
                 total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids], cols, judge, calls)
                 score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/train/guard.py)
+                cut = overlong.cut(seqs, mask, P, stops, episodes)
+                if oc.overlong == "mask":  # cut responses leave the loss (gptforge.model.rollout.overlong)
+                    mask = mask * ~cut[:, None]
                 per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
                 advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)
                 advantages = whiten(advantages, mask.float())
@@ -277,7 +281,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                         reward_std=all_mean(score.std().item(), device), kl=kl,
                         kl_per_token=all_mean(kl_token, device),
                         kl_coef=kl_ctl.value, **drift, **{"rollout/staleness": staleness,
-                                                          "rollout/version": sampled.version},
+                                                          "rollout/version": sampled.version,
+                                                          "rollout/truncated": all_mean(cut.float().mean().item(),
+                                                                                        device)},
                         response_length=all_mean(mask.sum(1).float().mean().item(), device),
                         gen_tokens_per_sec=all_mean(mask.sum().item() / gen_seconds, device) * world,
                         tokens_per_sec=throughput.window_rate(), lr=actor_sched.get_last_lr()[0],

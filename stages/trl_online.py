@@ -46,7 +46,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     trl = importlib.import_module("trl")  # after setup_distributed, whose environment spares TRL's import of MLflow
     config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
     sft_dir, reward_dir, tokenizer, reward_tokenizer = policy_and_judge(cfg, inputs)
-    scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations)
+    scoring, prompts = rewards.for_stage(cfg, tokenizer, pc.global_batch_size // oc.num_generations, sampling=oc)
     tools = bool(pc.environment or pc.tools)
     fmt = format_of(tokenizer.chat_template, str(sft_dir)) if tools else None
     corrected = pc.rollout.correction != "none" or pc.rollout.max_mismatch is not None
@@ -58,6 +58,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     args = config_cls(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,
                       num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
                       temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
+                      mask_truncated_completions=oc.overlong == "mask",
                       reward_weights=trl_rewards.pop("reward_weights"), **algorithm_args)
     if oc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
         rows = ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,

@@ -66,6 +66,8 @@ NAMES = {
     "gen_tokens_per_sec": "response tokens sampled per second (all processes)",
     "rollout/staleness": "updates the weights that sampled the step's rollouts were behind the trainer's",
     "rollout/version": "the version (updates behind them) of the weights that sampled the step's rollouts",
+    "rollout/truncated": "PPO: share of the step's responses cut at their length budget (overlong: mask leaves them "
+                         "out of the loss)",
     "rollout_wait_s": "seconds the trainer spent getting the step's rollouts: sampling them (sync) or waiting (async)",
     "mismatch/logp_abs_diff": "mean |log pi_train - log pi_sampling| over the rollouts' policy tokens",
     "mismatch/kl": "KL(sampling policy || trainer's) per policy token (k3 estimate); preference.rollout.max_mismatch",

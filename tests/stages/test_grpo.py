@@ -33,3 +33,22 @@ def test_grpo(chain, tmp_path):
     parts = [e + 0.03 * r for e, r in zip(logged(out_dir, "rewards/exact_match"),
                                           logged(out_dir, "rewards/reward_model"))]
     assert total == pytest.approx(parts, abs=1e-4)
+
+
+def test_grpo_with_cispo_sequence_level_ratios_and_the_overlong_penalty(chain, tmp_path):
+    """GRPO in CISPO's loss (clipped importance weights, epsilon max 0.28) with GSPO's sequence-level ratio, and
+    DAPO's soft overlong penalty over the whole budget (overlong_buffer = max_new_tokens = 8: every token of a
+    response costs 1/8): it trains, and the penalty is a reward of its own in the total, each response's tokens
+    (re-tokenized) over eight, negated."""
+    cfg, path = prepared(chain, tmp_path, "preference.algorithm=grpo", "distributed.zero_stage=2",
+                         "preference.max_steps=2", "preference.log_every=1", "preference.grpo.loss_type=cispo",
+                         "preference.grpo.importance_sampling_level=sequence", "preference.grpo.epsilon_high=0.28",
+                         "preference.grpo.overlong=penalty", "preference.grpo.overlong_buffer=8")
+    manifest, out_dir, _ = run_stage(cfg, path, "grpo")
+    assert manifest["metrics"]["global_step"] == 2 and changed_from_sft(chain, out_dir)
+    penalty = logged(out_dir, "rewards/overlong")
+    assert len(penalty) == 2 and all(-1 <= p < 0 for p in penalty), penalty
+    total = logged(out_dir, "reward_mean")
+    parts = [e + 0.03 * r + o for e, r, o in zip(logged(out_dir, "rewards/exact_match"),
+                                                 logged(out_dir, "rewards/reward_model"), penalty)]
+    assert total == pytest.approx(parts, abs=1e-4)

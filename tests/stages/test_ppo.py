@@ -77,3 +77,18 @@ def test_ppo_critic_starts_as_the_weighed_reward_model(chain):
     values = critic(input_ids=x).logits[0, :, 0]
     assert values[-1].item() == pytest.approx(0.1 * reward_model(input_ids=x).logits[0, 0].item(), abs=1e-5)
     assert torch.equal(values, critic(input_ids=x).logits[0, :, 0])  # no dropout
+
+
+def test_ppo_with_overlong_mask_leaves_responses_cut_at_their_budget_out_of_the_loss(chain, tmp_path):
+    """max_new_tokens=1: every response is cut before its end (the SFT model does not answer with its stop token
+    alone), so `overlong: mask` leaves every token out of the loss (and the KL penalty, and the value loss): with no
+    ptx term and no weight decay the actor ends where SFT did, while the same run without the mask moves it."""
+    common = [*PPO, "preference.max_steps=2", "preference.ppo.max_new_tokens=1", "preference.ppo.ptx_coef=0",
+              "preference.weight_decay=0"]
+    cfg, path = prepared(chain, tmp_path / "masked", *common, "preference.ppo.overlong=mask")
+    manifest, out_dir, _ = run_stage(cfg, path, "ppo")
+    assert logged(out_dir, "rollout/truncated") == [1.0, 1.0]
+    assert not changed_from_sft(chain, out_dir)
+    cfg, path = prepared(chain, tmp_path / "kept", *common)
+    manifest, out_dir, _ = run_stage(cfg, path, "ppo")
+    assert logged(out_dir, "rollout/truncated") == [1.0, 1.0] and changed_from_sft(chain, out_dir)

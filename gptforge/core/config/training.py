@@ -100,6 +100,21 @@ class OnlineSection(SamplingSection):
                               "(InstructGPT's PPO-ptx); 0 disables.")
     ptx_batch_size: int | None = Setting(None, ge=1, description="Rows of chosen responses in each update's ptx loss "
                                          "over all processes; None: as many as the update's responses.")
+    overlong: Literal["none", "mask", "penalty"] = Setting("none", description="Responses cut at max_new_tokens: mask "
+                                                           "(out of the loss, DAPO's) or penalty (overlong_buffer).")
+    overlong_buffer: int = Setting(0, ge=0, description="penalty: the last tokens before max_new_tokens over which the "
+                                   "reward falls linearly by up to overlong_penalty (DAPO's soft overlong shaping).")
+    overlong_penalty: float = Setting(1.0, gt=0, description="penalty: what a response of max_new_tokens loses.")
+
+    @model_validator(mode="after")
+    def _overlong(self):
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} is longer than max_new_tokens="
+                             f"{self.max_new_tokens}: the penalty would start before the response does")
+        if self.overlong == "penalty" and not self.overlong_buffer:
+            raise ValueError("overlong=penalty needs overlong_buffer: the tokens before max_new_tokens over which "
+                             "the penalty grows")
+        return self
 
     def ptx_rows(self, micro_batch_size: int, world: int, micro_steps_per_update: int) -> int:
         """Rows of chosen responses on each process in each micro-batch of the ptx loss, when a policy update
@@ -164,6 +179,13 @@ class GRPOSection(OnlineSection):
     scale_rewards: Literal["group", "batch", "none"] = Setting(
         "group", description="Divide rewards less their group mean by the group's std, the batch's, or nothing "
         "(none, as Dr. GRPO).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo"] = Setting(
+        "dapo", description="TRL's GRPO loss: grpo (per-sequence mean), dr_grpo (a constant length), dapo (tokens of "
+        "the batch), bnpo, cispo (clipped weights), sapo.")
+    importance_sampling_level: Literal["token", "sequence"] = Setting(
+        "token", description="The policy ratio per token, or per sequence (GSPO: the mean of its tokens' log-ratios).")
+    epsilon_high: float | None = Setting(None, gt=0, description="Upper clip of the ratio (DAPO's clip-higher, 0.28; "
+                                         "CISPO's epsilon max); None: the lower bound's, 0.2.")
 
 
 class RLOOSection(OnlineSection):
