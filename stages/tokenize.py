@@ -39,6 +39,10 @@ from gptforge.model.pretrained import TOKENIZER_FILES, model_dir
 from gptforge.stages.entry import exit_process, main
 
 WARNINGS = 5  # bad rows named in the log (all are counted)
+# The seed of the tokenizer's sample and of the train/val split. Not run.seed: tokenize is unseeded (its declaration),
+# so one output serves every run.seed of a store (bench/demo_seeds.py); with run.seed the split was whichever seed
+# tokenized first, and the same config's val_loss differed by 0.08 between two stores (bench/optimizers.py).
+SEED = 0
 
 
 def scan(cfg: PipelineConfig, plan: list[Unit], reading: Reading, run_units,
@@ -65,7 +69,7 @@ def scan(cfg: PipelineConfig, plan: list[Unit], reading: Reading, run_units,
         below = int(q * 2 ** 64) if q < 1 else 2 ** 64
         with tqdm(total=len(plan), initial=len(plan) - len(todo), unit="unit", desc="tokenize: scan",
                   file=sys.stderr, mininterval=2.0) as bar:
-            for j, result in run_units(scan_unit, [plan[i] for i in todo], reading, budget, cfg.run.seed, below):
+            for j, result in run_units(scan_unit, [plan[i] for i in todo], reading, budget, SEED, below):
                 for k, text in result.sample:
                     sample.add(k, text)
                 result.sample = []
@@ -142,7 +146,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             tok, eos_id = tokenizer(cfg, sample, tok_dir)
             vocab_size = tok.get_vocab_size()
             encoding = Encoding(tok.to_str(), eos_id, vocab_size, np.dtype(dtype_for(vocab_size)).name, tc.shard_tokens,
-                                tc.val_fraction, cfg.run.seed, tc.word_cache)
+                                tc.val_fraction, SEED, tc.word_cache)
             results, fresh, seconds = encode(plan, reading, encoding, run_units, shard_dir)
     except BaseException:  # a task stopped mid-unit (another failed, or we were cancelled) left its temporary files
         for tmp in shard_dir.glob(".*.tmp"):

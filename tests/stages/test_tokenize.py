@@ -65,6 +65,23 @@ def test_tokenize_stage_end_to_end(small_cfg, corpus, capsys):
     assert 0 < len(val) < 0.15 * len(docs) and not set(val) & set(train)
 
 
+def test_the_split_and_tokenizer_are_the_same_whatever_the_run_seed(small_cfg, corpus, tmp_path):
+    """tokenize is unseeded (one output serves every run.seed of a store, its fingerprint without the seed): two
+    stores tokenized first at seed 1 and at seed 0 hold the same tokenizer and the same train and val documents
+    (the split took run.seed, and a store's val set was whichever seed tokenized first)."""
+    path, _ = corpus
+    outs = []
+    for seed in (1, 0):
+        cfg = small_cfg(f"data.pretrain={path}", f"run.seed={seed}", f"run.root={tmp_path / f'seed{seed}'}")
+        execute(cfg, "tokenize")
+        outs.append(locate(cfg, "tokenize")[0])
+    assert outs[0].name == outs[1].name  # one fingerprint
+    tokenizers = [(out / "tokenizer" / "tokenizer.json").read_bytes() for out in outs]
+    assert tokenizers[0] == tokenizers[1]
+    for split in ("train", "val"):
+        assert decode_split(outs[0], split) == decode_split(outs[1], split), split
+
+
 def test_a_bad_row_fails_the_stage_when_asked(small_cfg, corpus):
     path, _ = corpus
     with pytest.raises(DataError, match=rf"^{path}:12: bad text row: field 'text' should be a string, got int \(data"):
