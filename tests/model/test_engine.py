@@ -70,3 +70,29 @@ def test_wsd_holds_the_peak_then_decays_linearly_as_the_trl_stages_schedule_it()
         opt.step()
         theirs.step()
     assert ours == pytest.approx(expected, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_muon_leaves_every_embedding_table_and_head_to_adamw(family):
+    """What gptforge gives AdamW under `optimizer: muon`, whatever the names: GPT-2's `wte` and `wpe` (its head tied
+    to `wte`), Llama's `embed_tokens` and untied `lm_head`, and a reward model's `score` (a 1 x hidden matrix
+    DeepSpeed's names would orthogonalise); Muon steps every other matrix, the norms and biases stay AdamW's."""
+    from transformers import AutoModelForSequenceClassification
+
+    from gptforge.core.presets import PRESETS
+    from gptforge.model.build import build_model
+    from gptforge.model.train.engine import embedding_params
+
+    arch = PRESETS["tiny" if family == "gpt2" else "llama-tiny"]
+    lm = build_model(arch, 320)
+    scorer = AutoModelForSequenceClassification.from_config(lm.config.__class__(**{**lm.config.to_dict(),
+                                                                                   "num_labels": 1}))
+    for model, head in ((lm, "lm_head.weight"), (scorer, "score.weight")):
+        kept = embedding_params(model)
+        named = {n for n, p in model.named_parameters() if id(p) in kept}
+        tables = {"transformer.wte.weight", "transformer.wpe.weight"} if family == "gpt2" else {
+            "model.embed_tokens.weight"}
+        heads = set() if (family == "gpt2" and head == "lm_head.weight") else {head}  # tied: named as wte
+        assert named == tables | heads, named
+        matrices = {n for n, p in model.named_parameters() if p.dim() >= 2 and id(p) not in kept}
+        assert matrices and all(".h." in n or ".layers." in n for n in matrices), matrices
