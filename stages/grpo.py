@@ -1,8 +1,9 @@
 """GRPO stage: online RL of the SFT policy with TRL's GRPOTrainer: num_generations completions a prompt, their
 rewards less the group's mean (divided by the group's or batch's std, or not: preference.grpo.scale_rewards) as
 the advantage, in TRL's loss of preference.grpo.loss_type (grpo, dr_grpo, dapo, bnpo, cispo, sapo) with the
-ratio per token or per sequence (GSPO: importance_sampling_level). Rewarded by preference.rewards on the online prompts (data.prompts), with an optional ptx term,
-under DeepSpeed ZeRO (accelerate launch); the body it shares with rloo is gptforge.stages.trl_online.
+ratio per token or per sequence (GSPO: importance_sampling_level). Rewarded by preference.rewards on the online
+prompts (data.prompts), with an optional ptx term, under DeepSpeed ZeRO (accelerate launch); the body it shares
+with rloo is gptforge.stages.trl_online.
 
     gptforge stage grpo -c CONFIG      (finds its inputs and output in the stage store)
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.grpo \\
