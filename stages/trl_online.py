@@ -20,6 +20,7 @@ from gptforge.model import rewards
 from gptforge.model.rollout.generate import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.pretrained import load_policy, reference_dir
+from gptforge.model.rollout import dynamic
 from gptforge.model.rollout.calls import format_of
 from gptforge.model.rollout.online import rollout_trainer
 from gptforge.model.rollout.episode import agent_spec
@@ -53,6 +54,8 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     if tools or apart or corrected:  # episodes, rollouts from workers, their log-probabilities (gptforge.model.rollout)
         agent = Setup.of(pc) if tools else None
         trainer_cls = rollout_trainer(trainer_cls, trainer, pc, oc, out_dir / "rollouts", agent, fmt)
+    # zero-advantage groups logged, and replaced where preference.<stage>.dynamic_sampling
+    trainer_cls = dynamic.trainer(trainer_cls, oc, rank // dist.sequence_parallel, cfg.run.seed)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
     data_parallel = dist.world_size // dist.sequence_parallel
     args = config_cls(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,

@@ -69,6 +69,10 @@ NAMES = {
     "rollout/truncated": "PPO: share of the step's responses cut at their length budget (overlong: mask leaves them "
                          "out of the loss)",
     "rollout_wait_s": "seconds the trainer spent getting the step's rollouts: sampling them (sync) or waiting (async)",
+    "rollout/zero_advantage_groups": "GRPO, RLOO: share of the step's first draw of groups whose rewards were "
+                                     "all equal (no advantage; what dynamic_sampling replaces)",
+    "rollout/zero_advantage_trained": "GRPO, RLOO: share of the groups trained whose rewards are all equal",
+    "rollout/draws": "GRPO, RLOO: generation batches drawn for the step (more than one with dynamic_sampling)",
     "mismatch/logp_abs_diff": "mean |log pi_train - log pi_sampling| over the rollouts' policy tokens",
     "mismatch/kl": "KL(sampling policy || trainer's) per policy token (k3 estimate); preference.rollout.max_mismatch",
     "mismatch/ratio_p05": "5th percentile of pi_train / pi_sampling over the policy tokens",

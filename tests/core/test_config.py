@@ -171,6 +171,9 @@ def test_sequence_parallelism_that_cannot_run_is_one_error_naming_the_key(overri
      ["preference.ppo.overlong_buffer=4"]),
     (["preference.rloo.loss_type=cispo"], "preference.rloo.loss_type", ["preference.grpo.loss_type=cispo"]),
     (["preference.grpo.loss_type=ppo"], "preference.grpo.loss_type", ["preference.grpo.loss_type=dr_grpo"]),
+    (["preference.algorithm=rloo", "preference.rloo.dynamic_sampling=true", "preference.rloo.num_generations=64"],
+     "preference.rloo.dynamic_sampling replaces whole groups on each process, but a process's 32 rows a step",
+     ["preference.rloo.num_generations=32"]),
 ])
 def test_an_optimizer_schedule_or_loss_that_cannot_run_is_one_error_naming_the_key(overrides, says, fixed):
     """DeepSpeed's Muon without ZeRO (its bf16 optimizer on GPUs) steps dense matrices over data parallelism only,

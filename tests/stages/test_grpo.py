@@ -33,6 +33,9 @@ def test_grpo(chain, tmp_path):
     parts = [e + 0.03 * r for e, r in zip(logged(out_dir, "rewards/exact_match"),
                                           logged(out_dir, "rewards/reward_model"))]
     assert total == pytest.approx(parts, abs=1e-4)
+    # without dynamic sampling: one draw a step, whose groups are trained as drawn (rewards all equal or not)
+    assert logged(out_dir, "rollout/draws") == [1.0]
+    assert logged(out_dir, "rollout/zero_advantage_trained") == logged(out_dir, "rollout/zero_advantage_groups")
 
 
 def test_grpo_with_cispo_sequence_level_ratios_and_the_overlong_penalty(chain, tmp_path):
@@ -52,3 +55,33 @@ def test_grpo_with_cispo_sequence_level_ratios_and_the_overlong_penalty(chain, t
     parts = [e + 0.03 * r + o for e, r, o in zip(logged(out_dir, "rewards/exact_match"),
                                                  logged(out_dir, "rewards/reward_model"), penalty)]
     assert total == pytest.approx(parts, abs=1e-4)
+
+
+@pytest.mark.parametrize("algorithm,mode", [("grpo", "sync"), ("rloo", "async")])
+def test_dynamic_sampling_replaces_the_groups_whose_rewards_are_all_equal(algorithm, mode, chain, tmp_path,
+                                                                         monkeypatch):
+    """A reward that is 0 for every response to half the prompts (by the parity of the prompt's CRC) and the
+    response's length for the others: the first half's groups have no advantage. With dynamic sampling (up to 4
+    draws a step) they are replaced by groups of new draws; without it (test_grpo's run) they are trained. RLOO's
+    draws are a rollout worker's batches sampled ahead, corrected (TIS)."""
+    (tmp_path / "my_rewards.py").write_text(
+        "import zlib\n"
+        "def half(prompts, responses, answers, **_):\n"
+        "    return [0.0 if zlib.crc32(str(p).encode()) % 2 else float(len(r)) for p, r in zip(prompts, responses)]\n")
+    monkeypatch.chdir(tmp_path)  # the launched stage imports the reward from the user's working folder
+    cfg, path = prepared(chain, tmp_path, f"preference.algorithm={algorithm}", "distributed.zero_stage=2",
+                         "preference.max_steps=3", "preference.log_every=1", f"preference.{algorithm}.ptx_coef=0",
+                         "preference.rewards=[{name: 'my_rewards:half'}]",
+                         f"preference.{algorithm}.dynamic_sampling=true", f"preference.{algorithm}.max_draws=4",
+                         f"preference.rollout.mode={mode}", "preference.rollout.correction=tis")
+    manifest, out_dir, _ = run_stage(cfg, path, algorithm)
+    assert manifest["metrics"]["global_step"] == 3 and changed_from_sft(chain, out_dir)
+    drawn, draws = logged(out_dir, "rollout/zero_advantage_groups"), logged(out_dir, "rollout/draws")
+    trained = logged(out_dir, "rollout/zero_advantage_trained")
+    assert len(drawn) == len(trained) == len(draws) == 3
+    # a step draws again exactly when its first draw had such a group, and trains fewer of them than it drew
+    assert [d > 1 for d in draws] == [z > 0 for z in drawn], (drawn, draws)
+    assert all(t <= z for t, z in zip(trained, drawn)) and sum(trained) < sum(drawn), (drawn, trained)
+    if mode == "async":  # the draws sampled by the worker: the first ahead (one update behind), the next since
+        staleness = logged(out_dir, "rollout/staleness")  # the mean of the step's draws
+        assert staleness[0] == 0 and all(0 < s <= 1 for s in staleness[1:]) and len(logged(out_dir, "mismatch/kl")) == 3

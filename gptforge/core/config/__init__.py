@@ -117,6 +117,11 @@ class PipelineConfig(Section):
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "
                                  "update over all processes")
+            rows = pc.global_batch_size // (world // (sp if "preference" in ULYSSES_SPLITS else 1))
+            if getattr(oc, "dynamic_sampling", False) and rows % oc.num_generations:
+                raise ValueError(f"preference.{algo}.dynamic_sampling replaces whole groups on each process, but a "
+                                 f"process's {rows} rows a step (preference.global_batch_size over the data-parallel "
+                                 f"world) do not hold whole groups of num_generations={oc.num_generations}")
         led = [a for a in pc.algorithms() if STAGES[a].trainer] if pc.enabled and pc.optimizer == "muon" else []
         if led:
             raise ValueError(f"preference.optimizer=muon: {led[0]} trains through TRL's {STAGES[led[0]].trainer} "

@@ -174,8 +174,17 @@ class PPOSection(OnlineSection):
     kl_horizon: int = Setting(10000, ge=1, description="Adaptive KL controller horizon, in samples.")
 
 
-class GRPOSection(OnlineSection):
+class GroupSection(OnlineSection):
+    """The online stages that sample a group of completions a prompt and take each one's advantage within it."""
+
     num_generations: int = Setting(4, ge=2, description="Completions per prompt.")
+    dynamic_sampling: bool = Setting(False, description="Replace a group whose rewards are all equal (no advantage) "
+                                     "by a group of a new draw, up to max_draws (DAPO's dynamic sampling).")
+    max_draws: int = Setting(3, ge=1, description="dynamic_sampling: generation batches drawn for one step at most, "
+                             "the first included; groups still equal then are trained as drawn.")
+
+
+class GRPOSection(GroupSection):
     scale_rewards: Literal["group", "batch", "none"] = Setting(
         "group", description="Divide rewards less their group mean by the group's std, the batch's, or nothing "
         "(none, as Dr. GRPO).")
@@ -188,8 +197,8 @@ class GRPOSection(OnlineSection):
                                          "CISPO's epsilon max); None: the lower bound's, 0.2.")
 
 
-class RLOOSection(OnlineSection):
-    num_generations: int = Setting(4, ge=2, description="Completions per prompt.")
+class RLOOSection(GroupSection):
+    pass
 
 
 class RolloutSection(Section):
