@@ -29,10 +29,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def run_seed(config: str, root: Path, seed: int, overrides: list[str]) -> dict[str, dict]:
-    """Every step of the pipeline at this seed (reused where complete): {step: final metrics}."""
-    cfg = load_config(config, [*overrides, f"run.seed={seed}", f"run.root={root}", f"run.name=seed{seed}"])
-    path = root / f"seed{seed}.yaml"
+def run_seed(config: str, root: Path, seed: int, overrides: list[str], name: str | None = None) -> dict[str, dict]:
+    """Every step of the pipeline at this seed (reused where complete), as the run `name` (seed<seed>):
+    {step: final metrics}."""
+    name = name or f"seed{seed}"
+    cfg = load_config(config, [*overrides, f"run.seed={seed}", f"run.root={root}", f"run.name={name}"])
+    path = root / f"{name}.yaml"
     root.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_config(cfg))
     record, metrics = RunRecord(cfg), {}

@@ -1,11 +1,19 @@
-"""Verifiable rewards: GRPO and PPO rewarded by `math_equal` alone (no reward model, no reward stage) on a
-generated GSM8K-shaped file of arithmetic problems (`question`, and a worked `answer` ending in `#### n`), against
-the SFT model, over several seeds. Reported: held-out `math_equal` accuracy (greedy) of SFT and of each policy, as
-the mean over the seeds with its standard error, and each policy's gain over SFT with the standard error of the
-paired difference (the same held-out problems, the same seed).
+"""Verifiable rewards: GRPO in each loss of its family, with and without dynamic sampling, and PPO, rewarded by
+`math_equal` alone (no reward model, no reward stage) on a generated GSM8K-shaped file of arithmetic problems
+(`question`, and a worked `answer` ending in `#### n`), against the SFT model, over several seeds, one table.
+Reported for each: held-out `math_equal` accuracy (greedy) as the mean over the seeds with its standard error, its
+gain over SFT with the standard error of the paired difference (the same held-out problems, the same seed), and the
+share of zero-advantage groups (all rewards equal) among the groups drawn and among those trained, the means over
+the run's steps (`rollout/zero_advantage_groups`, `rollout/zero_advantage_trained`).
 
     .venv/bin/python bench/rlvr.py [-c configs/tiny.yaml] [--seeds 0 1 2] [--root runs/rlvr] [--problems 4000]
+                                   [--losses grpo dr_grpo dapo gspo cispo] [--dynamic off on] [--no-ppo]
                                    [--set k=v ...]
+
+The losses (`preference.grpo`): grpo (each sequence's tokens averaged, rewards scaled by the group's std), dr_grpo
+(Dr. GRPO: a constant length, no std scaling), dapo (the batch's tokens, clip-higher 0.28), gspo (dapo with one
+ratio a sequence), cispo (clipped importance weights, epsilon max 5.0). Dynamic sampling draws up to 3 generation
+batches a step.
 
 The problems are the demo's arithmetic in GSM8K's shape (successor, larger, smaller, one- and two-digit sums), so
 that the demo's pretrained model starts with the skill. SFT then learns from the user's own demonstrations of the
@@ -65,6 +73,27 @@ def write_demonstrations(path: Path, n: int, slips: float, seed: int = 1) -> Pat
     return path
 
 
+LOSSES = {  # preference.grpo settings of each loss of the family
+    "grpo": ["loss_type=grpo", "scale_rewards=group"],
+    "dr_grpo": ["loss_type=dr_grpo", "scale_rewards=none"],
+    "dapo": ["loss_type=dapo", "epsilon_high=0.28"],
+    "gspo": ["loss_type=dapo", "importance_sampling_level=sequence"],
+    "cispo": ["loss_type=cispo", "epsilon_high=5.0"],
+}
+
+
+def zero_advantage(config: str, root: Path, seed: int, overrides: list[str]) -> tuple[float, float]:
+    """The GRPO run's mean share of zero-advantage groups drawn and trained over its logged steps."""
+    from gptforge.core.config import load_config
+    from gptforge.pipeline.store import locate
+
+    cfg = load_config(config, [*overrides, f"run.seed={seed}", f"run.root={root}"])
+    rows = [json.loads(line) for line in (locate(cfg, "grpo")[0] / "logs" / "metrics.jsonl").read_text().splitlines()]
+    drawn = [r["rollout/zero_advantage_groups"] for r in rows if "rollout/zero_advantage_groups" in r]
+    trained = [r["rollout/zero_advantage_trained"] for r in rows if "rollout/zero_advantage_trained" in r]
+    return sum(drawn) / len(drawn), sum(trained) / len(trained)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("-c", "--config", default=str(ROOT / "configs" / "tiny.yaml"))
@@ -73,24 +102,50 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=4000)
     p.add_argument("--demonstrations", type=int, default=20000, help="SFT conversations (default 20000)")
     p.add_argument("--slips", type=float, default=0.6, help="share of demonstrations one too high (default 0.6)")
+    p.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES))
+    p.add_argument("--dynamic", nargs="+", choices=["off", "on"], default=["off", "on"])
+    p.add_argument("--no-ppo", action="store_true", help="GRPO's rows alone")
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args()
+    from gptforge.core.console import quiet
+
+    quiet()
     root = Path(args.root)
     problems = write_problems(root / "problems.jsonl", args.problems)
     demos = write_demonstrations(root / f"demonstrations-{args.slips:g}.jsonl", args.demonstrations, args.slips)
-    algorithms = ["grpo", "ppo"]
-    overrides = [f"data.prompts={problems}", f"data.sft={demos}", "preference.rewards=[{name: math_equal}]",
-                 *[f"preference.{a}.ptx_coef=0" for a in algorithms], *args.set,
-                 f"preference.algorithm=[{','.join(algorithms)}]"]
-    runs = {seed: run_seed(args.config, root, seed, overrides) for seed in args.seeds}
-    sft = [runs[s][f"eval-{algorithms[0]}"]["sft_accuracy/math_equal"] for s in args.seeds]
-    print(f"held-out math_equal accuracy (greedy), {len(args.seeds)} seed(s) {args.seeds}, rewarded by "
-          f"math_equal alone:")
-    print(f"  sft:  {mean_se(sft)}")
-    for algo in algorithms:
-        acc = [runs[s][f"eval-{algo}"]["accuracy/math_equal"] for s in args.seeds]
+    common = [f"data.prompts={problems}", f"data.sft={demos}", "preference.rewards=[{name: math_equal}]",
+              "preference.grpo.ptx_coef=0", "preference.ppo.ptx_coef=0", *args.set]
+    variants = {f"grpo {loss}{' +ds' if ds == 'on' else ''}": [
+        *[f"preference.grpo.{kv}" for kv in LOSSES[loss]], f"preference.grpo.dynamic_sampling={ds == 'on'}",
+        "preference.grpo.max_draws=3", "preference.algorithm=grpo"] for loss in args.losses for ds in args.dynamic}
+    if not args.no_ppo:
+        variants["ppo"] = ["preference.algorithm=ppo"]
+    table = {name: {} for name in variants}
+    sft = []
+    for seed in args.seeds:  # the runs of a seed share its pretraining and SFT (the store reuses them)
+        for name, overrides in variants.items():
+            algo = name.split()[0]
+            run = f"seed{seed}-{name.replace(' +', '-').replace(' ', '-')}"
+            runs = run_seed(args.config, root, seed, [*common, *overrides], run)
+            table[name][seed] = (runs[f"eval-{algo}"]["accuracy/math_equal"],
+                                 zero_advantage(args.config, root, seed, [*common, *overrides]) if algo == "grpo"
+                                 else None)
+            if name == next(iter(variants)):
+                sft.append(runs[f"eval-{algo}"]["sft_accuracy/math_equal"])
+    from gptforge.core.config import load_config
+
+    rewarded = " + ".join(r.label() for r in load_config(args.config, common).preference.rewards)
+    print(f"held-out math_equal accuracy (greedy), {len(args.seeds)} seed(s) {args.seeds}, rewarded by {rewarded}; "
+          f"SFT {mean_se(sft)}")
+    print("| run | held-out accuracy | gain over SFT | zero-advantage groups drawn | trained |")
+    print("|---|---|---|---|---|")
+    for name, rows in table.items():
+        acc = [rows[s][0] for s in args.seeds]
         text, shown = gain(acc, sft)
-        print(f"  {algo}: {mean_se(acc)}  gain over SFT {text}{'' if shown else ' (under two standard errors)'}")
+        zero = [rows[s][1] for s in args.seeds]
+        drawn, trained = (("-", "-") if zero[0] is None else
+                          (mean_se([z[0] for z in zero]), mean_se([z[1] for z in zero])))
+        print(f"| {name} | {mean_se(acc)} | {text}{'' if shown else ' (under 2 se)'} | {drawn} | {trained} |")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,20 @@ def test_demo_seeds_and_rlvr_benches(chain, tmp_path):
     assert re.search(r"\| sft \| [\d.]+ \|", out) and "| dpo |" in out and "| reward accuracy |" in out, out
     assert actions(tmp_path / "seed0") == {**dict.fromkeys(UPSTREAM, "reused"), "eval-sft": "computed",
                                            "dpo": "computed", "eval-dpo": "computed"}
-    out = bench("rlvr.py", "--seeds", "0", "--root", str(tmp_path), "--problems", "200",
-                "--demonstrations", "200", *sets(CHAINED))
-    assert re.search(r"  sft: +[\d.]+ ± nan\n  grpo: +[\d.]+ ± nan  gain over SFT [+-][\d.]+ ± nan points", out), out
-    assert re.search(r"  ppo: +[\d.]+ ± nan  gain over SFT", out), out
+    # at this size SFT answers nothing right: a format reward (an answer of digits alone) gives the groups a spread
+    out = bench("rlvr.py", "--seeds", "0", "--root", str(tmp_path), "--problems", "200", "--demonstrations", "200",
+                "--losses", "dapo", "--dynamic", "off", "on", *sets([*CHAINED, r"preference.format_pattern=\d+",
+                "preference.rewards=[{name: math_equal}, {name: format}]"]))
+    assert re.search(r"rewarded by math_equal \+ format; SFT [\d.]+ ± nan\n", out), out
+    rows = {m[0]: m[1:] for m in re.findall(r"^\| (grpo dapo|grpo dapo \+ds|ppo) \| ([\d.]+) ± nan \| [+-][\d.]+ ± nan "
+                                            r"points[^|]* \| ([\d.]+|-)(?: ± nan)? \| ([\d.]+|-)(?: ± nan)? \|$",
+                                            out, re.M)}
+    assert rows.keys() == {"grpo dapo", "grpo dapo +ds", "ppo"}, out
+    # the share of zero-advantage groups trained: as drawn without dynamic sampling, fewer with it
+    _, drawn, trained = rows["grpo dapo"]
+    assert float(drawn) > 0 and trained == drawn, out
+    _, drawn, trained = rows["grpo dapo +ds"]
+    assert float(trained) < float(drawn), out
 
 
 def test_async_rl_bench(chain, tmp_path):
