@@ -16,6 +16,8 @@ def batch(prompts: list[list[int]], completions: list[list[int]], advantages: li
         "completion_ids": torch.tensor([c + [PAD] * (C - len(c)) for c in completions]),
         "completion_mask": torch.tensor([[1] * len(c) + [0] * (C - len(c)) for c in completions]),
         "old_per_token_logps": torch.tensor([[-0.5] * len(c) + [0.0] * (C - len(c)) for c in completions]),
+        # the rollout room's policy mask: its first token, then a tool's result; padded with 1 as TRL pads it
+        "tool_mask": torch.tensor([[1] + [0] * (len(c) - 1) + [1] * (C - len(c)) for c in completions]),
         "importance_sampling_ratio": torch.ones(len(prompts), 1),  # GSPO's: one a sequence
         "advantages": torch.tensor(advantages),
         "num_items_in_batch": torch.tensor(7),
@@ -32,6 +34,8 @@ def test_a_new_draws_group_takes_an_equal_groups_place_padded_to_the_wider_batch
     assert got["prompt_mask"].tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1]]
     assert got["completion_ids"].tolist() == [[6, 6, 6], [2, PAD, PAD], [7, 8, PAD], [7, PAD, PAD]]
     assert got["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    # the policy's mask moves with its rows (past a completion's end it is multiplied by completion_mask's 0)
+    assert got["tool_mask"].tolist() == [[1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]]
     assert got["old_per_token_logps"].tolist() == [[-0.5] * 3, [-0.5, 0, 0], [-0.5, -0.5, 0], [-0.5, 0, 0]]
     assert got["advantages"].tolist() == [1.0, -1.0, 0.5, -0.5]
     assert got["importance_sampling_ratio"].shape == (4, 1)
