@@ -82,14 +82,27 @@ def test_sequence_parallel_dpo_gives_the_data_parallel_loss_and_weights(chain, d
         assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-4, stage
 
 
+DYNAMIC = [  # a user's reward that is 0 for every response to half the prompts: groups to replace (test_grpo.py)
+    "preference.rewards=[{name: 'my_rewards:half'}]", "preference.grpo.dynamic_sampling=true",
+    "preference.grpo.max_draws=4"]
+
+
 @pytest.mark.parametrize("algorithm,zero", [("grpo", 2), ("rloo", 3)])
-def test_sequence_parallel_grpo_and_rloo_give_the_data_parallel_updates(chain, tmp_path, algorithm, zero):
+def test_sequence_parallel_grpo_and_rloo_give_the_data_parallel_updates(chain, tmp_path, monkeypatch, algorithm,
+                                                                         zero):
     """GRPO (ZeRO-2) and RLOO (ZeRO-3) on 2 ranks that share every rollout (sequence parallel 2: one data-parallel
     group) against the same stage on 1 rank: the same prompts, completions (sampled once a group), rewards,
-    advantages, loss and gradient norm at both updates."""
+    advantages, loss and gradient norm at every update. GRPO's with dynamic sampling: the ranks of the group draw
+    the same new prompts and replace the same groups (RLOO's rewards are the reward model's, on whole sequences)."""
+    (tmp_path / "my_rewards.py").write_text(
+        "import zlib\n"
+        "def half(prompts, responses, answers, **_):\n"
+        "    return [0.0 if zlib.crc32(str(p).encode()) % 2 else float(len(r)) for p, r in zip(prompts, responses)]\n")
+    monkeypatch.chdir(tmp_path)  # the launched stages import the reward from the user's working folder
     settings = [f"preference.algorithm={algorithm}", "distributed.zero_stage=2", "preference.max_steps=2",
                 "preference.log_every=1", "preference.save_every=100", "preference.global_batch_size=8",
-                "preference.micro_batch_size=2", f"preference.{algorithm}.ptx_coef=0"]
+                "preference.micro_batch_size=2", f"preference.{algorithm}.ptx_coef=0",
+                *(DYNAMIC if algorithm == "grpo" else [])]
     runs = {}
     for name, extra in (("one", ["distributed.nproc_per_node=1"]),
                         ("sp", ["distributed.sequence_parallel=2", f"distributed.zero_stage={zero}"])):
@@ -97,7 +110,11 @@ def test_sequence_parallel_grpo_and_rloo_give_the_data_parallel_updates(chain, t
         manifest, out_dir, out = run_stage(cfg, path, algorithm)
         runs[name] = out_dir
     assert f"[{algorithm}] sequence parallel 2 (1 data-parallel)" in out
-    for key in ("reward_mean", "loss", "grad_norm", "response_length", "entropy"):
+    keys = ["reward_mean", "loss", "grad_norm", "response_length", "entropy"]
+    if algorithm == "grpo":  # a step drew again (measured: 1 then 4 draws), and both runs replaced the same groups
+        assert max(logged(runs["one"], "rollout/draws")) > 1
+        keys += ["rollout/draws", "rollout/zero_advantage_groups", "rollout/zero_advantage_trained"]
+    for key in keys:
         want, got = logged(runs["one"], key), logged(runs["sp"], key)
         assert len(got) == 2 and got == pytest.approx(want, rel=2e-3, abs=1e-5), key
 
