@@ -175,3 +175,11 @@ def changed_from_sft(chain, out_dir) -> bool:
 def logged_names(out_dir: Path) -> set[str]:
     rows = [json.loads(line) for line in (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     return {k for r in rows for k in r} - {"step"}
+
+
+# A user's reward (my_rewards.py in the working folder) that is 0 for every response to half the prompts, by the
+# parity of the prompt's CRC, and the response's length for the others: groups with no advantage, and groups with.
+HALF_REWARD = (
+    "import zlib\n"
+    "def half(prompts, responses, answers, **_):\n"
+    "    return [0.0 if zlib.crc32(str(p).encode()) % 2 else float(len(r)) for p, r in zip(prompts, responses)]\n")

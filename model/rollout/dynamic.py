@@ -25,7 +25,8 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.nn.functional as F
+
+from gptforge.model.rollout.online import pad_to
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # left-padded, as TRL pads prompts
 
@@ -71,13 +72,14 @@ def trainer(trainer_cls, oc, dp_rank: int, seed: int):
             return out
 
         def _equal_groups(self) -> torch.Tensor:
-            """(groups of every process,) True where a group's total rewards are all equal (all unscored too)."""
+            """(groups of every process,) True where a group's total rewards have no spread: TRL's zero std
+            (`frac_reward_zero_std`), or fewer than two scored."""
+            from trl.trainer.utils import nanstd
+
             total = torch.nansum(self._drawn * self.reward_weights.to(self._drawn.device), dim=1)
             total[torch.isnan(self._drawn).all(1)] = torch.nan
-            grouped = total.view(-1, self.num_generations)
-            high = torch.where(grouped.isnan(), -torch.inf, grouped).max(1).values
-            low = torch.where(grouped.isnan(), torch.inf, grouped).min(1).values
-            return ~(high - low > 1e-6)
+            std = nanstd(total.view(-1, self.num_generations), dim=1)
+            return ~(std > 1e-8)  # NaN (one scored, or none) is no spread too
 
         def _mine(self, flat: torch.Tensor, rows: int) -> list[bool]:
             n = rows // self.num_generations
@@ -125,9 +127,3 @@ def splice(out: dict, new: dict, pairs: list[tuple[int, int]], group: int, pad_i
         spliced[key] = value
     return spliced
 
-
-def pad_to(t: torch.Tensor, width: int, fill, left: bool) -> torch.Tensor:
-    """(B, C, ...) padded with `fill` to (B, width, ...) on the left or the right of dim 1."""
-    extra = width - t.size(1)
-    spec = [0, 0] * (t.dim() - 2) + ([extra, 0] if left else [0, extra])
-    return F.pad(t, spec, value=fill)

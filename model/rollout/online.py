@@ -292,8 +292,10 @@ def single_turns(sampled, prompts: list, tokenizer) -> list[Episode]:
     return episodes
 
 
-def pad_to(mask, width: int):
-    """`mask` (B, C) right-padded with zeros to (B, width), width >= C (the batch's completions, padded)."""
+def pad_to(t, width: int, fill=0, left: bool = False):
+    """(B, C, ...) padded with `fill` to (B, width, ...) along dim 1, width >= C: on the right (a batch's
+    completions, padded) or the left (its prompts)."""
     import torch.nn.functional as F
 
-    return F.pad(mask, (0, width - mask.size(1)))
+    extra = width - t.size(1)
+    return F.pad(t, [0, 0] * (t.dim() - 2) + ([extra, 0] if left else [0, extra]), value=fill)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from gptforge.model.train.metrics import check_names
-from tests.helpers import changed_from_sft, logged, logged_names, prepared, run_stage
+from tests.helpers import HALF_REWARD, changed_from_sft, logged, logged_names, prepared, run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +64,7 @@ def test_dynamic_sampling_replaces_the_groups_whose_rewards_are_all_equal(algori
     response's length for the others: the first half's groups have no advantage. With dynamic sampling (up to 4
     draws a step) they are replaced by groups of new draws; without it (test_grpo's run) they are trained. RLOO's
     draws are a rollout worker's batches sampled ahead, corrected (TIS)."""
-    (tmp_path / "my_rewards.py").write_text(
-        "import zlib\n"
-        "def half(prompts, responses, answers, **_):\n"
-        "    return [0.0 if zlib.crc32(str(p).encode()) % 2 else float(len(r)) for p, r in zip(prompts, responses)]\n")
+    (tmp_path / "my_rewards.py").write_text(HALF_REWARD)
     monkeypatch.chdir(tmp_path)  # the launched stage imports the reward from the user's working folder
     cfg, path = prepared(chain, tmp_path, f"preference.algorithm={algorithm}", "distributed.zero_stage=2",
                          "preference.max_steps=3", "preference.log_every=1", f"preference.{algorithm}.ptx_coef=0",

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import config, copy_store, logged, prepared, run_stage, tokenize_from
+from tests.helpers import HALF_REWARD, config, copy_store, logged, prepared, run_stage, tokenize_from
 
 SP = ["model.preset=llama-tiny", "pretrain.seq_len=128", "pretrain.max_steps=6", "pretrain.log_every=1",
       "pretrain.eval_every=6", "pretrain.save_every=100", "pretrain.micro_batch_size=4",
@@ -94,10 +94,7 @@ def test_sequence_parallel_grpo_and_rloo_give_the_data_parallel_updates(chain, t
     group) against the same stage on 1 rank: the same prompts, completions (sampled once a group), rewards,
     advantages, loss and gradient norm at every update. GRPO's with dynamic sampling: the ranks of the group draw
     the same new prompts and replace the same groups (RLOO's rewards are the reward model's, on whole sequences)."""
-    (tmp_path / "my_rewards.py").write_text(
-        "import zlib\n"
-        "def half(prompts, responses, answers, **_):\n"
-        "    return [0.0 if zlib.crc32(str(p).encode()) % 2 else float(len(r)) for p, r in zip(prompts, responses)]\n")
+    (tmp_path / "my_rewards.py").write_text(HALF_REWARD)
     monkeypatch.chdir(tmp_path)  # the launched stages import the reward from the user's working folder
     settings = [f"preference.algorithm={algorithm}", "distributed.zero_stage=2", "preference.max_steps=2",
                 "preference.log_every=1", "preference.save_every=100", "preference.global_batch_size=8",
