@@ -25,11 +25,21 @@ from gptforge.stages.entry import exit_process, main
 RANK_IMPORTS = ("trl.trainer.grpo_trainer",)
 
 
-def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
+CISPO_EPSILON_MAX = 5.0  # CISPO's bound on its weight when none is set: ScaleRL's epsilon max, TRL's advice
+
+
+def algorithm_args(cfg: PipelineConfig) -> dict:
+    """GRPOConfig's fields of GRPO's own: the advantage's scale, the loss, the ratio's level, the upper clip. TRL
+    bounds CISPO's weight by epsilon_high itself (not 1 + epsilon_high), so an unset bound there is CISPO's own
+    (5.0), not the clip's lower bound (0.2, which would scale every weight down to 0.2)."""
     gc = cfg.preference.grpo
-    return trl_online.train(cfg, inputs, out_dir, STAGES["grpo"], scale_rewards=gc.scale_rewards,
-                            loss_type=gc.loss_type, importance_sampling_level=gc.importance_sampling_level,
-                            epsilon_high=gc.epsilon_high)
+    high = gc.epsilon_high if gc.epsilon_high is not None or gc.loss_type != "cispo" else CISPO_EPSILON_MAX
+    return dict(scale_rewards=gc.scale_rewards, loss_type=gc.loss_type,
+                importance_sampling_level=gc.importance_sampling_level, epsilon_high=high)
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
+    return trl_online.train(cfg, inputs, out_dir, STAGES["grpo"], **algorithm_args(cfg))
 
 
 if __name__ == "__main__":

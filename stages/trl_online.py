@@ -35,6 +35,19 @@ from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerM
                                              use_reference, with_ptx)
 
 
+def arguments(cfg: PipelineConfig, decl: Stage, out_dir: Path, reward_weights: list[float],
+              **algorithm_args) -> dict:
+    """The fields of TRL's `<trainer>Config` the stage trains with: the shared ones from preference and
+    preference.<stage>, the rewards' weights, and the algorithm's own `algorithm_args` (its stage module's
+    `algorithm_args(cfg)`)."""
+    pc, oc, dist = cfg.preference, getattr(cfg.preference, decl.name), cfg.distributed
+    data_parallel = dist.world_size // dist.sequence_parallel
+    return dict(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,
+                num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
+                temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
+                mask_truncated_completions=oc.overlong == "mask", reward_weights=reward_weights, **algorithm_args)
+
+
 def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Stage, **algorithm_args) -> dict:
     """Train the policy (each sequence shared by distributed.sequence_parallel ranks) with TRL's `<trainer>Config`
     and `<trainer>Trainer` (the stage's declared trainer: "GRPO" or "RLOO"): the shared arguments from preference and
@@ -57,12 +70,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     # zero-advantage groups logged, and replaced where preference.<stage>.dynamic_sampling
     trainer_cls = dynamic.trainer(trainer_cls, oc, rank // dist.sequence_parallel, cfg.run.seed)
     trl_rewards = rewards.trl_functions(scoring, reward_dir, reward_tokenizer)
-    data_parallel = dist.world_size // dist.sequence_parallel
-    args = config_cls(**trainer_kwargs(pc, dist, data_parallel, out_dir, cfg.run.seed), beta=pc.beta,
-                      num_generations=oc.num_generations, max_completion_length=oc.max_new_tokens,
-                      temperature=oc.temperature, top_k=oc.top_k, top_p=oc.top_p,
-                      mask_truncated_completions=oc.overlong == "mask",
-                      reward_weights=trl_rewards.pop("reward_weights"), **algorithm_args)
+    args = config_cls(**arguments(cfg, decl, out_dir, trl_rewards.pop("reward_weights"), **algorithm_args))
     if oc.ptx_coef:  # an update: one optimizer step, gradient_accumulation_steps micro-batches
         rows = ChosenRows(tokenizer, splits.preference_pairs(cfg.data).train, pc.max_length,
                           oc.ptx_rows(pc.micro_batch_size, world, args.gradient_accumulation_steps),

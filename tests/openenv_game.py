@@ -36,6 +36,7 @@ class Heard(Observation):
 
 class Tally(Environment[Say, Heard, State]):
     SUPPORTS_CONCURRENT_SESSIONS = True
+    DELAY = 0.0  # seconds each step takes after it is logged (a test sets it, to show steps of sessions overlap)
 
     def reset(self, seed=None, episode_id=None, **kwargs: Any) -> Heard:
         self._state, self.said = State(episode_id=episode_id or str(id(self)), step_count=0), []
@@ -45,6 +46,7 @@ class Tally(Environment[Say, Heard, State]):
         self._state.step_count += 1
         self.said.append(action.message)
         LOG.append((self._state.episode_id, action.message, time.perf_counter()))
+        time.sleep(self.DELAY)
         if self._state.step_count >= TURNS:
             return Heard(text="over", done=True, reward=tally_reward(self.said))
         return Heard(text=f"turn {self._state.step_count}: {len(action.message)} characters")

@@ -8,14 +8,16 @@ What a program run here gets (`run`):
 - a private scratch directory, /scratch (its working directory, HOME and TMPDIR), a tmpfs of `disk_mb` that goes
   with the call, and nothing else writable (its root is read-only);
 - no inherited environment variables (PATH, HOME, TMPDIR and LANG only: no HF_TOKEN, no credentials);
-- its own PID namespace, user namespace and session, as a uid of its own (one of a pool, one a concurrent call), so
-  that it sees and signals no other process;
+- its own PID namespace, user namespace and session, as a uid of its own (one of a pool, leased host-wide: one a
+  call, across every process and run on the host, clear of the host's users and /etc/subuid ranges), so that it
+  sees and signals no other process and its process limit is its own;
 - limits: wall time (`wall_s`, then everything in it is killed), CPU time (RLIMIT_CPU), address space (RLIMIT_AS,
   `memory_mb`), processes (RLIMIT_NPROC for its uid), open files (RLIMIT_NOFILE), the size of any file it writes
   (RLIMIT_FSIZE) and of the scratch file system, and of what it prints (`output_bytes`: past it, it is killed and
   the output cut);
-- nothing of it outlives the call: killing the namespace's first process ends every process in it, and any process
-  left of its uid is killed before `run` returns.
+- nothing of it outlives the call: killing the namespace's first process (through a pidfd: only the process this
+  call started, never one that took its pid) ends every process in it; this process is a child subreaper, so what
+  the call leaves is reaped here, and a uid goes back to the pool only once no task of it, zombie included, exists.
 
 What it does not guarantee: it is not a virtual machine. The kernel is the host's, so a kernel exploit escapes it;
 CPU time is limited per process, not shared fairly with training (the rollout workers' pinned cores bound that:
@@ -24,8 +26,11 @@ gptforge.model.rollout.concurrency); side channels (timing, /proc/cpuinfo-like f
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import json
 import os
+import pwd
 import re
 import resource
 import secrets
@@ -35,13 +40,43 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from gptforge.core.errors import ConfigError
 
 PYTHON = "/usr/bin/python3"  # the host's Python, under the read-only /usr
-UIDS = range(200_000, 200_256)  # the sandbox's uids: one a concurrent call (no user of the host has them)
-_free = list(UIDS)
-_lock = threading.Lock()
+POOL = 256  # the sandbox's uids: one a call in flight on the host
+FIRST_UID = 1_900_000_000  # far above the users a host makes (and moved past any /etc/subuid or /etc/subgid range)
+LEASES = Path("/tmp/gptforge-sandbox")  # a lock file a uid: held (flock) by the call using it, in any process
+_subreaper = threading.Lock()
+_reaping = False
+
+
+def taken_ranges() -> list[range]:
+    """The uids the host has given away: its users', and its /etc/subuid and /etc/subgid ranges (other users' user
+    namespaces, whose processes a sandbox uid must never share)."""
+    out = [range(u.pw_uid, u.pw_uid + 1) for u in pwd.getpwall()]
+    for path in ("/etc/subuid", "/etc/subgid"):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.strip().split(":")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                out.append(range(int(parts[1]), int(parts[1]) + int(parts[2])))
+    return out
+
+
+def pool_uids() -> range:
+    """POOL uids from FIRST_UID on, moved past every range the host has given away."""
+    start, taken = FIRST_UID, taken_ranges()
+    while clash := [r for r in taken if r.start < start + POOL and start < r.stop]:
+        start = max(r.stop for r in clash)
+    return range(start, start + POOL)
+
+
+UIDS = pool_uids()
 
 
 @dataclass(frozen=True)
@@ -103,16 +138,43 @@ def command(uid: int, limits: Limits, argv: list[str]) -> list[str]:
 
 def run(argv: list[str], stdin: str = "", limits: Limits = Limits()) -> Result:
     """`argv` (e.g. [PYTHON, "-c", code]) in the sandbox, `stdin` its input; its output, status and why it ended."""
-    with _lock:
-        if not _free:
-            raise RuntimeError(f"more than {len(UIDS)} sandboxed calls at once")
-        uid = _free.pop()
+    become_subreaper()
+    uid, lease = lease_uid()
     try:
         return _run(uid, argv, stdin, limits)
     finally:
-        sweep(uid)
-        with _lock:
-            _free.append(uid)
+        settle(uid)
+        os.close(lease)  # the lock goes with it
+
+
+def become_subreaper() -> None:
+    """Make this process the child subreaper of what it starts: bubblewrap's first process exits before the
+    namespace's init it started, which would otherwise wait as a zombie of the sandbox's uid, counted against the
+    uid's process limit, for the host's init to reap it (and a container's init may never)."""
+    global _reaping
+    with _subreaper:
+        if not _reaping:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+            _reaping = True
+
+
+def lease_uid() -> tuple[int, int]:
+    """A uid of the pool that no call on the host holds and that no task runs as (zombies included), and the
+    descriptor holding its lease (an exclusive flock: the kernel drops it with the process that held it)."""
+    LEASES.mkdir(mode=0o700, exist_ok=True)
+    for uid in UIDS:
+        fd = os.open(LEASES / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if not alive(uid):
+            return uid, fd
+        os.close(fd)  # what an earlier call left (a zombie the host's init has not reaped yet): not free
+    raise RuntimeError(f"all of the sandbox's {POOL} uids ({UIDS.start}-{UIDS.stop - 1}) are in use on this host")
 
 
 def _run(uid: int, argv: list[str], stdin: str, limits: Limits) -> Result:
@@ -125,6 +187,14 @@ def _run(uid: int, argv: list[str], stdin: str, limits: Limits) -> Result:
 
     process = subprocess.Popen(command(uid, limits, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, preexec_fn=limited, start_new_session=True)
+    process.pidfd = os.pidfd_open(process.pid)  # before anything can reap it: a kill reaches this process or none
+    try:
+        return _watch(process, stdin, limits)
+    finally:
+        os.close(process.pidfd)
+
+
+def _watch(process: subprocess.Popen, stdin: str, limits: Limits) -> Result:
     out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
     flooded = threading.Event()
 
@@ -172,26 +242,32 @@ def ended_by(status: int) -> str:
 
 
 def kill(process: subprocess.Popen) -> None:
-    """The sandbox's session: bwrap, and with it (--die-with-parent, its PID namespace) everything in it."""
+    """bwrap, through the pidfd of the process this call started (never a pid that another process may have taken
+    since), and with it (--die-with-parent, its PID namespace) everything in it."""
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        signal.pidfd_send_signal(process.pidfd, signal.SIGKILL)
+    except OSError:  # it has exited (ESRCH), or the call has ended (its pidfd closed)
         pass
 
 
-def sweep(uid: int) -> None:
-    """Any running process of the sandbox's uid left (none should be: the namespace's end kills them): killed, so
-    that nothing outlives the call. (A dead one may wait a while for the host's init to reap it.)"""
-    for _ in range(100):
-        left = [pid for pid, running in alive(uid) if running]
+def settle(uid: int, wait_s: float = 5.0) -> None:
+    """Wait, reaping, until no task of the call's uid is left: the namespace's init and its program die with the
+    namespace, and whatever of them this process inherited as their subreaper is reaped here. A task still there
+    after `wait_s` (none should be) keeps the uid out of the pool (lease_uid skips it), never killed by uid."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = alive(uid)
         if not left:
             return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
+        for pid, running in left:
+            if not running:
+                try:
+                    os.waitpid(pid, os.WNOHANG)  # ours to reap where we inherited it; another's parent reaps its own
+                except ChildProcessError:
+                    pass
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
 
 
 def alive(uid: int) -> list[tuple[int, bool]]:

@@ -25,8 +25,12 @@ def tally():
     stop()
 
 
-def test_an_openenv_text_game_is_three_turns_token_exact_and_its_sessions_run_at_once(tokenizers, tally):  # noqa: F811
+def test_an_openenv_text_game_is_three_turns_token_exact_and_its_sessions_run_at_once(tokenizers, tally,  # noqa: F811
+                                                                                      monkeypatch):
+    """Two episodes of a game whose every step takes 0.4 s on the server: the two sessions' steps of a turn are taken
+    together (one after the other, they would start 0.4 s apart)."""
     tok = tokenizers["hermes"]
+    monkeypatch.setattr(game.Tally, "DELAY", 0.4)
     setup = Setup.load("openenv:tests.openenv_game:TallyClient", [], timeout_s=10, concurrency=4, url=tally)
     said = [["one", "two words", "three more words"], ["a", "bb", "ccc"]]
     turns = [t for step in zip(*said) for t in step]  # the policy samples both episodes' turns at once, turn by turn
@@ -48,10 +52,14 @@ def test_an_openenv_text_game_is_three_turns_token_exact_and_its_sessions_run_at
         whole = render(tok, e.messages, None, False)
         assert tok.decode(e.prompt_ids + e.ids) == whole[:whole.rfind("<|im_end|>") + len("<|im_end|>")]
     assert environment_rewards(episodes) == [game.tally_reward(w) for w in said]  # the steps' rewards, summed
-    sessions = {}
-    for episode_id, message, _ in game.LOG:
+    sessions, times = {}, {}
+    for episode_id, message, when in game.LOG:
         sessions.setdefault(episode_id, []).append(message)
+        times.setdefault(episode_id, []).append(when)
     assert sorted(sessions.values()) == sorted(said)  # one session an episode
+    first, second = times.values()
+    assert len(first) == len(second) == 3
+    assert all(abs(a - b) < 0.2 for a, b in zip(first, second)), times  # each turn's steps at once
 
 
 def test_an_openenv_action_of_several_fields_is_a_tool(tokenizers):  # noqa: F811

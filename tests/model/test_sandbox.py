@@ -84,13 +84,52 @@ def test_bombs_loops_and_floods_end_in_the_limits():
     assert disk.exit_status == 1 and ("File too large" in disk.stderr or "No space" in disk.stderr)
 
 
+def test_its_process_and_open_file_limits_pid_namespace_and_uid_are_its_own():
+    """Each limit the docs promise, counted from inside: forks until the kernel refuses (RLIMIT_NPROC of its uid),
+    files opened until it refuses (RLIMIT_NOFILE); its PID namespace shows it only its own processes and not this
+    test's; and it runs, seen from the host, as one of the sandbox's uids, not as this process's."""
+    count_forks = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                   "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+                   "    print(n, type(e).__name__)")
+    got = boxed(count_forks, processes=6)
+    forked, error = got.stdout.split()
+    # the uid's processes, bwrap's and the program's own included, stop at 6: fewer than 6 children
+    assert error == "BlockingIOError" and 0 < int(forked) < 6, got
+    assert int(boxed(count_forks, processes=12).stdout.split()[0]) > int(forked)  # the limit, not something else
+    count_files = ("n = []\ntry:\n    while True:\n        n.append(open('/dev/null'))\nexcept OSError as e:\n"
+                   "    print(len(n), e.errno)")
+    files, errno = map(int, boxed(count_files, open_files=20).stdout.split())
+    assert errno == 24 and 10 < files < 20  # EMFILE: its 20 descriptors, stdin, stdout and stderr among them
+    assert int(boxed(count_files, open_files=40).stdout.split()[0]) == files + 20
+    here = os.getpid()
+    seen = boxed(f"import os\nprint(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+                 f"try:\n    os.kill({here}, 0)\n    print('reached')\nexcept ProcessLookupError:\n    print('none')")
+    first, reached = seen.stdout.splitlines()
+    pid, pids = first.split(" ", 1)
+    assert pid == "2" and pids == "[1, 2]" and reached == "none", seen  # bwrap's init and itself, and nothing else
+    assert naive(f"import os\nos.kill({here}, 0)\nprint('reached')").stdout.strip() == "reached"
+    ran: dict = {}
+    thread = threading.Thread(target=lambda: ran.update(r=boxed("import time\nprint('up', flush=True)\n"
+                                                                "time.sleep(3)")))
+    thread.start()
+    deadline = time.monotonic() + 10
+    uids: set[int] = set()
+    while not uids and time.monotonic() < deadline:
+        uids = {uid for uid in sandbox.UIDS if [pid for pid, running in alive(uid) if running]}
+        time.sleep(0.05)
+    thread.join()
+    assert len(uids) == 1 and os.getuid() not in uids and ran["r"].stdout.strip() == "up"  # a sandbox uid ran it
+
+
 def test_nothing_of_a_call_outlives_it():
     started = boxed("import subprocess\nsubprocess.Popen(['/usr/bin/python3', '-c', 'import time; time.sleep(60)'])\n"
                     "print('started')")
     assert (started.exit_status, started.stdout.strip()) == (0, "started")
-    for uid in sandbox.UIDS:
-        assert not [pid for pid, running in alive(uid) if running]  # the background process is gone
-    assert len(sandbox._free) == len(sandbox.UIDS)  # its uid back in the pool
+    for uid in sandbox.UIDS:  # the background process is gone, and no zombie of the call is left to hold its uid
+        assert not alive(uid), uid
+    uid, lease = sandbox.lease_uid()  # its uid back in the pool: the first one is free again
+    os.close(lease)
+    assert uid == sandbox.UIDS.start
 
 
 def test_the_python_tool_and_the_unit_tests_reward():

@@ -173,16 +173,20 @@ def test_an_openenv_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, 
         stop()
     assert manifest["metrics"]["global_step"] == 2
     assert len(logged(out_dir, "rewards/environment")) == 2
+    ended = []
     for step in (1, 2):
         for e in episodes_of(out_dir, step):
             said = [m["content"] for m in e["messages"] if m["role"] == "assistant"]
             assert e["messages"][0]["content"].endswith(" (three turns)")  # reset's observation
             heard = [m["content"] for m in e["messages"][2::2]]
             assert heard == [f"turn {k + 1}: {len(s)} characters" for k, s in enumerate(said[:len(heard)])]
+            ended.append(e["ended"])
             if e["ended"] == "environment":  # the server's reward of the three turns it heard
                 assert len(said) == 3 and e["rewards"]["environment"] == pytest.approx(game.tally_reward(said))
             else:
                 assert e["rewards"]["environment"] == 0.0  # ended before the game did: no reward
+    # three turns of 16 tokens fit the 128 positions: the server ends most games, and its rewards are what is checked
+    assert ended.count("environment") > len(ended) / 2, ended
     said = {m["content"] for step in (1, 2) for e in episodes_of(out_dir, step) for m in e["messages"]
             if m["role"] == "assistant"}
     assert game.LOG and said & {message for _, message, _ in game.LOG}  # the server heard the policy's turns
@@ -241,17 +245,23 @@ def test_a_verifiers_environment_trains_ppo_and_grpo(algorithm, mode, chain, tmp
     assert manifest["metrics"]["global_step"] == 2
     assert len(logged(out_dir, "rewards/environment")) == 2
     answers = {f"Guess my number ({i}), from 1 to 9.": str(s) for i, s in enumerate(game.SECRETS)}
+    hints = 0
     for step in (1, 2):
         episodes = episodes_of(out_dir, step)
         assert episodes
         for e in episodes:
-            assert e["messages"][0]["content"] in answers and e["policy_tokens"] >= 1
+            secret = int(answers[e["messages"][0]["content"]])
+            assert e["policy_tokens"] >= 1
             said = [m for m in e["messages"] if m["role"] == "assistant"]
             assert len(said) == e["turns"] <= 3
-            for m in e["messages"][1:]:
+            for before, m in zip(e["messages"][1:], e["messages"][2:]):
                 assert m["role"] in ("assistant", "tool", "user")
-                if m["role"] == "user":  # the environment, as the user, between the policy's turns
-                    assert m["content"] in ("higher", "lower")
+                if m["role"] == "user":  # the environment, as the user, after a wrong guess: the way to the secret
+                    guess = re.findall(r"\d+", before["content"] or "")
+                    assert before["role"] == "assistant" and (not guess or guess[-1] != str(secret)), e
+                    assert m["content"] == ("higher" if not guess or int(guess[-1]) < secret else "lower"), e
+                    hints += 1
+            # the rubric's exact match on the last reply the harness read, however the episode ended
             found = re.findall(r"\d+", said[-1]["content"] or "")
-            right = float(bool(found) and found[-1] == answers[e["messages"][0]["content"]])
-            assert e["rewards"]["environment"] == (right if e["ended"] == "answer" else e["rewards"]["environment"])
+            assert e["rewards"]["environment"] == float(bool(found) and found[-1] == str(secret)), e
+    assert hints > 0  # the environment answered wrong guesses through the harness

@@ -82,3 +82,81 @@ def test_dynamic_sampling_replaces_the_groups_whose_rewards_are_all_equal(algori
     if mode == "async":  # the draws sampled by the worker: the first ahead (one update behind), the next since
         staleness = logged(out_dir, "rollout/staleness")  # the mean of the step's draws
         assert staleness[0] == 0 and all(0 < s <= 1 for s in staleness[1:]) and len(logged(out_dir, "mismatch/kl")) == 3
+
+
+def test_every_loss_type_ratio_level_and_clip_reaches_trls_loss(chain, tmp_path):
+    """Each of preference.grpo's loss types (and GSPO's sequence-level ratio, and DAPO's upper clip) through the
+    stage's own arguments (gptforge.stages.grpo.algorithm_args, trl_online.arguments) into TRL's GRPOTrainer, whose
+    loss on one fixed batch is the one that type alone gives, worked out here from the same log-probabilities: a
+    stage that dropped the setting would train every type as TRL's default."""
+    import typing
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gptforge.core.config.training import GRPOSection
+    from gptforge.core.declarations import STAGES
+    from gptforge.stages import grpo, trl_online
+    from tests.helpers import config
+
+    model_dir = chain["sft"][1] / "model"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    prompt = torch.randint(3, 100, (4, 3))
+    completion = torch.randint(3, 100, (4, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    # behaviour log-probabilities a little off the model's: ratios exp(+-0.25) of both signs, some past 1 + 0.2
+    shift = torch.tensor([0.25, -0.25, 0.1, -0.1, 0.0]).repeat(4, 1)
+
+    def loss_of(*overrides) -> tuple[float, torch.Tensor, torch.Tensor]:
+        cfg, _ = config(tmp_path / "cfg", "preference.algorithm=grpo",
+                        "preference.grpo.temperature=1.0", "preference.grpo.max_new_tokens=5",
+                        "preference.global_batch_size=4", "preference.micro_batch_size=4",
+                        "distributed.nproc_per_node=1", *overrides)
+        kwargs = trl_online.arguments(cfg, STAGES["grpo"], tmp_path, [1.0], **grpo.algorithm_args(cfg))
+        kwargs.update(deepspeed=None, gradient_accumulation_steps=1)  # one process, no DeepSpeed here
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        trainer = GRPOTrainer(model=model, args=GRPOConfig(**kwargs), reward_funcs=[lambda completions, **_: [0.0]],
+                              train_dataset=Dataset.from_list([{"prompt": "x"}] * 4), processing_class=tok)
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, completion], 1)).logits[:, 2:-1]
+            logp = torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
+        inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+                  "completion_mask": mask, "advantages": advantages, "old_per_token_logps": logp - shift,
+                  "ref_per_token_logps": logp, "num_items_in_batch": mask.sum()}  # the reference's KL term 0 here
+        with torch.no_grad():
+            return trainer._compute_loss(trainer.model, inputs).item(), logp, shift
+
+    A, m = advantages[:, None], mask.float()
+    types = typing.get_args(GRPOSection.model_fields["loss_type"].annotation)
+    assert set(types) == {"grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo"}
+    got = {t: loss_of(f"preference.grpo.loss_type={t}") for t in types}
+    _, logp, shift = got["grpo"]
+    ratio = shift.exp()  # pi / pi_old, token by token
+    clipped = -torch.min(ratio * A, ratio.clamp(0.8, 1.2) * A)
+    expected = {
+        "grpo": ((clipped * m).sum(1) / m.sum(1)).mean(),  # each sequence's mean, then their mean
+        "bnpo": (clipped * m).sum() / m.sum(),  # the batch's tokens
+        "dr_grpo": (clipped * m).sum() / (4 * 5),  # a constant: rows x max_completion_length
+        "dapo": (clipped * m).sum() / m.sum(),  # the generation batch's tokens (here the same batch)
+        "cispo": (-ratio.clamp(max=5.0) * A * logp * m).sum() / m.sum(),  # the weight, bounded by 5, times log pi
+        "sapo": ((-torch.sigmoid(torch.where(A > 0, 1.0, 1.05) * (ratio - 1)) * 4 / torch.where(A > 0, 1.0, 1.05)
+                  * A * m).sum(1) / m.sum(1)).mean(),  # TRL's soft gate, its default temperatures
+    }
+    for t in types:
+        assert got[t][0] == pytest.approx(expected[t].item(), rel=1e-5), t
+    # GSPO: one ratio a sequence, the geometric mean of its tokens'
+    gspo = loss_of("preference.grpo.loss_type=grpo", "preference.grpo.importance_sampling_level=sequence")[0]
+    seq = ((shift * m).sum(1) / m.sum(1)).exp()[:, None]
+    expected_gspo = -torch.min(seq * A, seq.clamp(0.8, 1.2) * A)
+    assert gspo == pytest.approx(((expected_gspo * m).sum(1) / m.sum(1)).mean().item(), rel=1e-5)
+    # DAPO's clip-higher: the ratio exp(0.25) = 1.28 of a positive advantage kept up to 1.28, not cut at 1.2
+    high = loss_of("preference.grpo.loss_type=dapo", "preference.grpo.epsilon_high=0.28")[0]
+    wide = -torch.min(ratio * A, ratio.clamp(0.8, 1.28) * A)
+    assert high == pytest.approx(((wide * m).sum() / m.sum()).item(), rel=1e-5)
+    assert high != pytest.approx(got["dapo"][0])

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,8 +148,10 @@ def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(smal
     is), token for token the same shards and byte for byte the same tokenizer.json. (Across two hosts:
     tests/pipeline/test_two_hosts.py; the stage's own local instance: tests/pipeline/test_listening.py.)"""
     import os
+    import shutil
     import signal
     import socket
+    import tempfile
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -156,9 +159,10 @@ def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(smal
         (corpus / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": f"{w} number {i} of part {k}"}) + "\n"
                                                         for i, w in enumerate(MIXED * 60)))
     port = free_port()
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # the head's logs (short: Ray's socket paths live there)
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                              "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--disable-usage-stats"],
+                             f"--temp-dir={temp}", "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             # (a head started by hand makes a token where ~/.ray/auth_token exists; this test has none)
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
@@ -193,6 +197,11 @@ def test_a_ray_cluster_writes_the_same_shards_and_tokenizer_as_this_process(smal
         assert (dirs[0] / "shards" / name).read_bytes() == (dirs[1] / "shards" / name).read_bytes(), name
     tokenizers = [(d / "tokenizer" / "tokenizer.json").read_bytes() for d in dirs]
     assert tokenizers[0] == tokenizers[1]
+    # the head's own workers ran the units: the log of each worker of the stage's job (the cluster's first, 01000000)
+    # names the tasks it ran; a stage that ignored tokenizer.cluster would leave no job on the head
+    ran = [log.read_text() for log in (temp / "session_latest" / "logs").glob("worker-*-01000000-*.out")]
+    shutil.rmtree(temp, ignore_errors=True)
+    assert sum(text.count(":task_name:") for text in ran) >= 2 * 5, ran  # scan and encode, 5 units each
 
 
 def test_a_cluster_nobody_answers_at_is_a_clear_error(small_cfg, tmp_path):
