@@ -52,7 +52,8 @@ def base_model(root: Path, arch: list[str]) -> tuple[Path, int]:
 
 
 def sft(root: Path, arch: list[str], zero_stage: int, *overrides: str) -> tuple[Path, list[float]]:
-    """SFT on 2 processes (torchrun), 2 steps: (output dir, each rank's peak host memory in GiB)."""
+    """SFT on 2 processes (torchrun), 1 step (its peak: the model states, Adam's moments made at the first step):
+    (output dir, each rank's peak host memory in GiB)."""
     from gptforge.core.config import dump_config, load_config
 
     with __import__("socket").socket() as s:
@@ -60,8 +61,8 @@ def sft(root: Path, arch: list[str], zero_stage: int, *overrides: str) -> tuple[
         port = s.getsockname()[1]
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"run.root={root}", *arch, "data.demo.sft_items=120", "data.demo.eval_items=16", "sft.max_length=64",
-        "sft.max_steps=2", "sft.micro_batch_size=1", "sft.global_batch_size=2", "sft.eval_every=2",
-        "sft.save_every=100", "sft.warmup_steps=1", f"distributed.zero_stage={zero_stage}", *overrides])
+        "sft.max_steps=1", "sft.micro_batch_size=1", "sft.global_batch_size=2", "sft.eval_every=1",
+        "sft.save_every=100", "sft.warmup_steps=0", f"distributed.zero_stage={zero_stage}", *overrides])
     path = root / f"zero{zero_stage}.yaml"
     path.write_text(dump_config(cfg))
     out = root / f"sft-zero{zero_stage}"
