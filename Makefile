@@ -25,7 +25,7 @@ lint: $(STAMP)
 	.venv/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --junitxml=.pytest/junit.xml
 
 bench: $(STAMP)
 	$(PY) bench/tokenize_bench.py

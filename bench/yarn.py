@@ -14,7 +14,8 @@ only dimensions of a wavelength under 2 tokens alone and interpolate the ones th
 a wavelength under 16 keep their angles. Why 2 steps at 256: the raised model's error past 64 is what YaRN spares
 it, and continued pretraining mends it (2026-12-06, 5 seeds, 2-layer model: margin 0.051 ± 0.010 after 2 steps,
 0.006 ± 0.003 after 12; YaRN's default ramp: 0.039 ± 0.015 and 0.008 ± 0.004, a seed below zero in both). Tokenize
-is the demo's, reused from the store where it is complete; the two long runs read the base model's own tokenizer.
+is the demo's, reused from the store where it is complete; the long runs, every seed's in one root, read its
+tokenizer (every base model's own) and share one tokenize.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def stages(config: str, root: Path, names: list[str], overrides: list[str]) -> t
 def run_seed(args, seed: int) -> dict[str, float]:
     """{yarn, raised: val loss at 256 tokens} of one seed."""
     root = Path(args.root)
-    _, short = stages(args.config, root, ["tokenize", "pretrain"],
-                      [*args.set, *SHORT, f"pretrain.max_steps={args.short_steps}",
-                       f"pretrain.eval_every={args.short_steps}", f"run.seed={seed}"])
+    manifest, short = stages(args.config, root, ["tokenize", "pretrain"],
+                             [*args.set, *SHORT, f"pretrain.max_steps={args.short_steps}",
+                              f"pretrain.eval_every={args.short_steps}", f"run.seed={seed}"])
     base = short / "model"
+    # the demo's tokenizer (tokenize is unseeded: every seed's base has it), so that every seed's long runs, in one
+    # root, share one tokenize of the data with it
+    tokenizer = Path(manifest["inputs"]["tokenize"]["path"]) / "tokenizer"
     raised = root / f"seed{seed}-raised-model"  # no scaling: the context raised by hand
     if not raised.exists():
         shutil.copytree(base, raised)
@@ -75,8 +79,8 @@ def run_seed(args, seed: int) -> dict[str, float]:
         (raised / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 256}))
     out = {}
     for name, model, extra in (("yarn", base, [f"model.rope={args.rope}"]), ("raised", raised, [])):
-        manifest, out_dir = stages(args.config, root / f"seed{seed}-{name}", ["tokenize", "pretrain"],
-                                   [*args.set, f"model.pretrained={model}", f"tokenizer.pretrained={base}", *LONG,
+        manifest, out_dir = stages(args.config, root / "long", ["tokenize", "pretrain"],
+                                   [*args.set, f"model.pretrained={model}", f"tokenizer.pretrained={tokenizer}", *LONG,
                                     f"pretrain.max_steps={args.long_steps}", f"pretrain.eval_every={args.long_steps}",
                                     f"run.seed={seed}", *extra])
         out[name] = manifest["metrics"]["val_loss"]

@@ -31,7 +31,9 @@ tests/model/test_losses.py).
 Metrics: `loss` (the divergence a token), `distill_kl` (the reverse KL a token over the support, whatever beta),
 `teacher_logp` and `student_logp` (the mean log-probability of the student's sampled tokens under each), the
 rollouts' (response_length, gen_tokens_per_sec, rollout_wait_s, staleness) and tokens_per_sec; in its result,
-`teacher_scored_tokens` (every student token the teacher scored, skipped steps' too).
+`teacher_scored_tokens` (every student token the teacher scored, skipped steps' too). Each logged step's samples
+(rank 0's) go to `rollouts/step-<step>.jsonl`: their ids, and each token's log-probability when sampled, under the
+teacher and under the student as it trained on them.
 """
 
 from __future__ import annotations
@@ -98,6 +100,30 @@ def divergences(model, seqs: torch.Tensor, attention: torch.Tensor, P: int, scor
     return tuple(torch.cat([p[k] for p in parts], 1) for k in range(3))
 
 
+def sample_rows(seqs, attention, P: int, mask, sampling, teacher, student) -> list[dict]:
+    """A micro-batch's samples as trajectory rows: the prompt's and the response's ids (padding dropped), and for
+    each response token its log-probability when sampled, under the teacher and under the student trained on it."""
+    rows = []
+    for i in range(seqs.size(0)):
+        n = int(attention[i, P:].sum())  # the response, tool tokens (mask 0) included
+        prompt = seqs[i, :P][attention[i, :P].bool()]
+        rows.append({"prompt_ids": prompt.tolist(), "ids": seqs[i, P:P + n].tolist(),
+                     "mask": [int(x) for x in mask[i, :n]],
+                     **{k: [round(float(x), 6) for x in v[i, :n]] for k, v in
+                        (("logprobs", sampling), ("teacher_logprobs", teacher), ("student_logprobs", student))}})
+    return rows
+
+
+def write_samples(folder: Path, step: int, rows: list[dict]) -> None:
+    """A logged step's samples (rank 0's) as `rollouts/step-<step>.jsonl`, written whole or not at all."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"step-{step:08d}.jsonl.part"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(folder / f"step-{step:08d}.jsonl")
+
+
 def teacher_engine(cfg, teacher_dir: Path, config: dict, device, pad_id: int, synced: bool):
     """What scores the samples under the teacher (distill.teacher_engine): the teacher in this process, held as a
     reference model is (partitioned under ZeRO-3), or the user's engine over its directory."""
@@ -159,6 +185,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             sampled = sampled.to(device)
             wait, trained_from = time.perf_counter() - t0, time.time()
             staleness = source.version - sampled.version
+            scored_rows = []  # rank 0's samples, each token with the teacher's and the student's log-probability
             for mb in torch.arange(per_rank).split(dc.micro_batch_size):
                 seqs, attention, m = sampled.seqs[mb], sampled.attention[mb], sampled.mask[mb].float()
                 with torch.no_grad():
@@ -169,6 +196,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                               distill_kl=masked_mean(reverse, m).item(),
                               student_logp=masked_mean(student_logp, m).item(),
                               teacher_logp=masked_mean(scores.sampled.to(m.device), m).item())
+                if rank == 0:
+                    scored_rows += sample_rows(seqs, attention, sampled.P, m, sampled.logprobs[mb], scores.sampled,
+                                               student_logp)
             scored += int(all_sum([sampled.mask.sum().item()], device)[0])
             counts = loop.advance()
             source.updated(engine.module, loop.step)  # one update a step: the version is the steps taken
@@ -176,6 +206,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
             if not counts:
                 continue
             if loop.due(dc.log_every):
+                if rank == 0:
+                    write_samples(out_dir / "rollouts", loop.step, scored_rows)
                 loop.log_train(response_length=all_mean(sampled.mask.sum(1).float().mean().item(), device),
                                gen_tokens_per_sec=all_mean(sampled.mask.sum().item() / wait, device) * world,
                                rollout_wait_s=all_mean(wait, device),

@@ -1,6 +1,7 @@
 """An MCP server for the tests, written with mcp's own server (`MCPServer`): `add`, `fail` (raises), `count` (its
 state: calls so far in this process), `pid`, `wait` (sleeps, and returns when it started and ended); over stdio, or
-streamable HTTP on 127.0.0.1 with `--http PORT`; with `--no-tools`, a server that lists none."""
+streamable HTTP on 127.0.0.1 with `--http PORT`; with `--no-tools`, a server that lists none; with `--only NAME`,
+one that lists that one alone."""
 
 import os
 import sys
@@ -40,6 +41,9 @@ if "--no-tools" not in sys.argv:
 
 
 if __name__ == "__main__":
+    if "--only" in sys.argv:
+        for name in {"add", "fail", "count", "pid", "wait"} - {sys.argv[sys.argv.index("--only") + 1]}:
+            server.remove_tool(name)
     if "--http" in sys.argv:
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[sys.argv.index("--http") + 1]))
     else:

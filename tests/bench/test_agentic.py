@@ -128,3 +128,209 @@ def test_agentic_latency_bench():
                       r"(True|False) \|$", out, re.M)
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("function", "1", "3", "True"),
                                                          ("async def", "1", "3", "True")], out
+
+
+SCRIPTED = '''
+import re
+
+import torch
+from transformers import AutoTokenizer
+
+from gptforge.model.rollout.engine import HFEngine
+from gptforge.model.rollout.generate import Turn
+
+
+class PythonForEvenSums(HFEngine):
+    """The policy's own samples, but where a question's sum is even its first turn is written: a call of the python
+    tool that prints the sum, scored by the policy's model as if it had sampled it."""
+
+    def __init__(self, model_dir, **options):
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        super().__init__(HFEngine.load(model_dir, tok.pad_token_id).model, tok.pad_token_id)
+        self.tok = tok
+
+    def generate(self, sequences, budgets, max_new_tokens, **sampling):
+        turns = super().generate(sequences, budgets, max_new_tokens, **sampling)
+        for i, seq in enumerate(sequences):
+            text = self.tok.decode(seq)
+            a, b = map(int, re.findall(r"What is (\\d+) plus (\\d+)", text)[-1])
+            if (a + b) % 2 == 0 and "<tool_response>" not in text:
+                call = '<tool_call>{"name":"python","arguments":{"code":"print(%d+%d)"}}</tool_call><|im_end|>' % (a, b)
+                ids = self.tok.encode(call, add_special_tokens=False)[:budgets[i]]
+                with torch.no_grad():
+                    logits = self.model(torch.tensor([seq + ids])).logits[0, len(seq) - 1:-1]
+                logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+                turns[i] = Turn.of(ids, logp.tolist())
+        return turns
+'''
+
+
+def test_the_python_tool_and_an_mcp_servers_tool_through_a_training_stage(agentic, monkeypatch):
+    """GRPO on the bench's SFT model with two tools, gptforge's sandboxed python and `add` served by an MCP server
+    (tests/mcp_server.py over stdio): the policy calls add itself, as it learned to, and reads the server's sum; for
+    the questions whose sum is even a user engine (in its rollout worker) writes the first turn, a python call that
+    prints the sum, which the sandbox runs. Both tools' results are the turns the policy read next, and the stage
+    trains on those episodes."""
+    import sys
+
+    from gptforge.core.config import dump_config, load_config
+
+    root, _ = agentic
+    (root / "scripted_engine.py").write_text(SCRIPTED)
+    monkeypatch.chdir(root)  # the stage imports the engine from its working folder
+    server = Path(__file__).resolve().parents[1] / "mcp_server.py"
+    cfg = load_config(str(root / "seed0.yaml"), [
+        f"preference.tools=[python, 'mcp:{sys.executable} {server} --only add']",
+        "preference.rollout.engine=scripted_engine:PythonForEvenSums", "preference.algorithm=grpo",
+        "preference.max_steps=2", "preference.global_batch_size=8", "preference.log_every=1"])
+    path = root / "tools.yaml"
+    path.write_text(dump_config(cfg))
+    manifest, out_dir, _ = run_stage(cfg, path, "grpo")
+    assert manifest["metrics"]["global_step"] == 2
+    called = {"python": 0, "add": 0}
+    for step in (1, 2):
+        for line in (out_dir / "rollouts" / f"step-{step:08d}.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            a, b = map(int, re.search(r"What is (\d+) plus (\d+)", e["messages"][0]["content"]).groups())
+            read = [m["content"] for m in e["messages"] if m["role"] == "tool"]
+            for c in e["tool_calls"]:
+                called[c["name"]] += 1
+                if c["name"] == "python":  # the sandbox's run of the written program
+                    assert (a + b) % 2 == 0 and c["result"] == f"exit status 0\nstdout:\n{a + b}\n", e
+                else:  # the MCP server's sum of what the policy asked for
+                    x, y = c["arguments"]["a"], c["arguments"]["b"]
+                    assert c["error"] is None and c["result"] == str(x + y), e
+                assert c["result"] in read or e["ended"] == "max_length", e  # read by the policy next
+            assert e["tool_tokens"] > 0 or not e["tool_calls"], e
+    assert called["python"] > 0 and called["add"] > 0, called
+
+
+ADDER = '''"""A verifiers environment of the agentic bench's task, with verifiers.v1's own classes: its taskset the
+sums, its harness a chat loop that offers `add` and answers each call with the sum of the call's arguments, the
+environment the user who says "wrong" once after a wrong answer, and exact match on the last reply as its reward."""
+
+import json
+import re
+
+import verifiers.v1 as vf
+from openai import AsyncOpenAI
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.runtimes import SubprocessConfig
+
+__all__ = ["AddTaskset", "AddHarness", "AddEnv"]
+PAIRS = [(10 + 7 * i % 89, 11 + 13 * i % 87) for i in range(40)]
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "the first number"},
+                                                     "b": {"type": "integer", "description": "the second number"}},
+                   "required": ["a", "b"]}}}
+
+
+def total(arguments) -> str:
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+        return str(int(args["a"]) + int(args["b"]))
+    except (ValueError, KeyError, TypeError):
+        return "error: add takes a and b"
+
+
+class AddData(vf.TaskData):
+    answer: str
+
+
+class AddTask(vf.Task[AddData]):
+    @vf.reward
+    async def exact_match(self, task: AddData, trace: vf.Trace) -> float:
+        found = re.findall(r"\\d+", trace.last_reply or "")
+        return float(bool(found) and found[-1] == task.answer)
+
+
+class AddTaskset(vf.Taskset[AddTask, vf.TasksetConfig]):
+    def load(self):
+        for i, (a, b) in enumerate(PAIRS):
+            yield AddTask(AddData(id=f"add-{i}", answer=str(a + b), prompt=f"What is {a} plus {b}?"),
+                          self.config.task)
+
+
+class AddHarness(vf.Harness[vf.HarnessConfig]):
+    APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_RESUME = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
+        system, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system}] if system else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        else:
+            messages += [message_to_wire(m) for m in prompt or []]
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        try:
+            for _ in range(3):
+                out = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[ADD])
+                message = out.choices[0].message
+                if not message.tool_calls:
+                    break
+                messages.append(message.model_dump(exclude_none=True))
+                messages += [{"role": "tool", "tool_call_id": c.id, "content": total(c.function.arguments)}
+                             for c in message.tool_calls]
+        finally:
+            await client.close()
+        return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+class AddConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(runtime=SubprocessConfig(), max_turns=10)
+
+
+class AddEnv(vf.Env[AddConfig]):
+    async def run(self, task, agents):
+        async with agents.agent.interaction(task) as chat:
+            turn = await chat.turn()
+            found = re.findall(r"\\d+", turn.last_reply or "")
+            if not (found and found[-1] == task.data.answer):
+                await chat.turn("wrong")
+'''
+
+
+def test_a_verifiers_environment_whose_harness_offers_a_tool_trains_grpo_in_a_rollout_worker(agentic, monkeypatch):
+    """A verifiers environment of the bench's task (verifiers.v1's own classes): its harness drives each episode
+    against the policy behind gptforge's endpoint, in a rollout worker (async GRPO), offering the harness's own `add`
+    tool, which the bench's SFT model calls; the harness answers the call, the environment (as the user) answers a
+    wrong sum with "wrong", and its rubric's exact match is the reward. (The session chain's model, whose 128
+    positions hold no tool schema, plays a guessing game without tools: tests/stages/test_agents.py.)"""
+    from gptforge.core.config import dump_config, load_config
+
+    root, _ = agentic
+    (root / "verifiers_adder.py").write_text(ADDER)
+    monkeypatch.chdir(root)  # the user's module, in the working folder
+    cfg = load_config(str(root / "seed0.yaml"), [
+        "preference.tools=[]", "preference.environment=verifiers:verifiers_adder",
+        "data.prompts=verifiers:verifiers_adder", "preference.algorithm=grpo", "preference.rollout.mode=async",
+        "preference.rewards=[{name: environment}]", "preference.max_steps=2", "preference.global_batch_size=8",
+        "preference.log_every=1"])
+    path = root / "adder.yaml"
+    path.write_text(dump_config(cfg))
+    manifest, out_dir, _ = run_stage(cfg, path, "grpo")
+    assert manifest["metrics"]["global_step"] == 2
+    answered = wrong = 0
+    for step in (1, 2):
+        for line in (out_dir / "rollouts" / f"step-{step:08d}.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            a, b = map(int, re.search(r"What is (\d+) plus (\d+)", e["messages"][0]["content"]).groups())
+            said = [m for m in e["messages"] if m["role"] == "assistant"]
+            for before, m in zip(e["messages"], e["messages"][1:]):
+                if m["role"] == "tool":  # the harness's answer to the call before it
+                    (call,) = before["tool_calls"]
+                    args = call["function"]["arguments"]
+                    args = json.loads(args) if isinstance(args, str) else args
+                    assert call["function"]["name"] == "add" and m["content"] == str(args["a"] + args["b"]), e
+                    answered += 1
+                if m["role"] == "user":  # the environment, after a wrong final answer
+                    found = re.findall(r"\d+", before["content"] or "")
+                    assert m["content"] == "wrong" and not (found and found[-1] == str(a + b)), e
+                    wrong += 1
+            found = re.findall(r"\d+", said[-1]["content"] or "")
+            assert e["rewards"]["environment"] == float(bool(found) and found[-1] == str(a + b)), e
+    assert answered > 0 and wrong > 0, (answered, wrong)

@@ -36,7 +36,23 @@ def test_distill_resumes_after_sigkill_and_is_evaluated_against_its_start_and_it
     check_names(dict.fromkeys(logged_names(out_dir)))
     # beta 1: the loss is the reverse KL itself (the student learning toward its teacher: test_rlvr, bench/distill.py)
     assert logged(out_dir, "loss") == pytest.approx(logged(out_dir, "distill_kl"), rel=1e-5)
-    assert all(s < 0 and t < 0 for s, t in zip(logged(out_dir, "student_logp"), logged(out_dir, "teacher_logp")))
+    # the first step's samples: each token's teacher log-probability is the teacher's (the PPO model's) of the
+    # student's sampled token, and the student's is the SFT model's, whose samples they are (nothing updated yet)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = [json.loads(line) for line in (out_dir / "rollouts" / "step-00000001.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["ids"] for r in rows)  # rank 0's 4 of the step's 8 prompts
+    for key, model_dir in (("teacher_logprobs", ppo[1] / "model"), ("student_logprobs", chain["sft"][1] / "model"),
+                           ("logprobs", chain["sft"][1] / "model")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        for r in rows:
+            seq = torch.tensor([r["prompt_ids"] + r["ids"]])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(seq).logits[0, len(r["prompt_ids"]) - 1:-1].float(), -1)
+            want = logp.gather(-1, torch.tensor(r["ids"])[:, None])[:, 0]
+            assert r[key] == pytest.approx(want.tolist(), abs=2e-4), key
+    assert any(r["teacher_logprobs"] != pytest.approx(r["student_logprobs"], abs=1e-3) for r in rows)
     assert changed_from_sft(chain, out_dir)
     from gptforge.pipeline.report import read_log, stage_panels
 
