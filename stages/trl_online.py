@@ -55,7 +55,9 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     stage's metrics."""
     stage, trainer = decl.name, decl.trainer
     pc, oc, dist = cfg.preference, getattr(cfg.preference, stage), cfg.distributed
-    apart = pc.rollout.mode == "async"  # rollout workers: a CPU node leaves each a core
+    # rollout workers (a CPU node leaves each a core): async, or an engine other than hf, which runs in a worker at
+    # staleness 0 in sync mode, as PPO's and distill's do (gptforge.model.rollout.workers.rollout_source)
+    apart = pc.rollout.mode == "async" or pc.rollout.engine != "hf"
     rank, world, device = setup_distributed(cfg.distributed, reserve=pc.rollout.workers if apart else 0)
     trl = importlib.import_module("trl")  # after setup_distributed, whose environment spares TRL's import of MLflow
     config_cls, trainer_cls = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
@@ -88,13 +90,14 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
     source = None
-    if apart:  # rollout workers sample the generation batches ahead (gptforge.model.rollout.workers)
+    if apart:  # rollout workers sample the generation batches (ahead, in async mode: gptforge.model.rollout.workers)
         spec = agent_spec(pc, fmt, pc.max_length) if tools else None
         order = GenerationOrder(len(prompts), args.per_device_train_batch_size * args.steps_per_generation,
                                 oc.num_generations, rank, world, cfg.run.seed)
         source = Workers(cfg, oc, sft_dir, spec, lambda ids: ([prompts[i]["prompt"] for i in ids],
                                                               [prompts[i] for i in ids]),
-                         rank, world, Timeline(out_dir / "logs", rank), pc.rollout.max_staleness)
+                         rank, world, Timeline(out_dir / "logs", rank),
+                         pc.rollout.max_staleness if pc.rollout.mode == "async" else 0)
         trainer.attach(source, order)
         resume_rollouts = trainer_callback(trainer, source, order, policy, out_dir)
     else:  # each step's span beside async's (gptforge.model.rollout.workers.Timeline)

@@ -37,6 +37,7 @@ class Heard(Observation):
 class Tally(Environment[Say, Heard, State]):
     SUPPORTS_CONCURRENT_SESSIONS = True
     DELAY = 0.0  # seconds each step takes after it is logged (a test sets it, to show steps of sessions overlap)
+    TURNS = TURNS  # a game's turns (a stage test on a model of 128 positions sets 2)
 
     def reset(self, seed=None, episode_id=None, **kwargs: Any) -> Heard:
         self._state, self.said = State(episode_id=episode_id or str(id(self)), step_count=0), []
@@ -47,7 +48,7 @@ class Tally(Environment[Say, Heard, State]):
         self.said.append(action.message)
         LOG.append((self._state.episode_id, action.message, time.perf_counter()))
         time.sleep(self.DELAY)
-        if self._state.step_count >= TURNS:
+        if self._state.step_count >= self.TURNS:
             return Heard(text="over", done=True, reward=tally_reward(self.said))
         return Heard(text=f"turn {self._state.step_count}: {len(action.message)} characters")
 

@@ -71,7 +71,6 @@ class Endpoint:
                  host: str = "127.0.0.1", port: int = 0, model: str = "policy", window_s: float = 0.05):
         self.tokenizer, self.fmt, self.max_turns, self.max_length = tokenizer, fmt, max_turns, max_length
         self.stop_ids, self.model, self.window_s = stop_ids, model, window_s
-        self.eot = tokenizer.decode(sorted(stop_ids)[:1])
         self.sessions: dict[str, Session] = {}
         self.requests: queue.Queue[Request] = queue.Queue()
         self._lock = threading.Lock()
@@ -141,7 +140,10 @@ class Endpoint:
                               "requests each the conversation so far and what followed the policy's last turn",
                               "diverged")
             tail = [dict(m) for m in messages[len(known):]]
-            self._between(session, between_turns(self.tokenizer, session.episode, tail, self.eot, session.tools))
+            # the end of the policy's last turn is the stop token it sampled (as in gptforge's own episodes: a
+            # template may end turns with another token than the tokenizer's first stop id)
+            eot = self.tokenizer.decode(session.episode.ids[-1:])
+            self._between(session, between_turns(self.tokenizer, session.episode, tail, eot, session.tools))
             session.episode.messages += tail
         turn = self._turn(session, body)
         parsed = parse(self.tokenizer.decode(turn, skip_special_tokens=True), self.fmt).message()

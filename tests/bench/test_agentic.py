@@ -194,14 +194,15 @@ def test_the_python_tool_and_an_mcp_servers_tool_through_a_training_stage(agenti
             a, b = map(int, re.search(r"What is (\d+) plus (\d+)", e["messages"][0]["content"]).groups())
             read = [m["content"] for m in e["messages"] if m["role"] == "tool"]
             for c in e["tool_calls"]:
-                called[c["name"]] += 1
+                called[c["name"]] = called.get(c["name"], 0) + 1  # (a sample's call can be malformed: its error)
                 if c["name"] == "python":  # the sandbox's run of the written program
                     assert (a + b) % 2 == 0 and c["result"] == f"exit status 0\nstdout:\n{a + b}\n", e
-                else:  # the MCP server's sum of what the policy asked for
-                    x, y = c["arguments"]["a"], c["arguments"]["b"]
-                    assert c["error"] is None and c["result"] == str(x + y), e
-                assert c["result"] in read or e["ended"] == "max_length", e  # read by the policy next
-            assert e["tool_tokens"] > 0 or not e["tool_calls"], e
+                elif c["name"] == "add" and isinstance(c["arguments"].get("a"), int) and \
+                        isinstance(c["arguments"].get("b"), int):  # the MCP server's sum of what the policy asked
+                    assert c["error"] is None and c["result"] == str(c["arguments"]["a"] + c["arguments"]["b"]), e
+                outcome = f"error: {c['error']}" if c["error"] else c["result"]
+                assert outcome in read or e["ended"] == "max_length", e  # read by the policy next
+            assert e["tool_tokens"] > 0 or not e["tool_calls"] or e["ended"] == "max_length", e
     assert called["python"] > 0 and called["add"] > 0, called
 
 

@@ -78,7 +78,7 @@ def test_distill_bench(chain, tmp_path):
     rows = {}
     for row in ("sft | 0", "grpo | 4", "on-policy 1 | 1", "on-policy 2 | 2", "off-policy 1 | 1", "off-policy 2 | 2",
                 "small sft | 0", "small distilled | 2"):
-        found = re.search(rf"^\| {row} \| ([\d.]+) \| ([\d.]+) ± nan \| (-?\d+|nan)% \|$", out, re.M)
+        found = re.search(rf"^\| {re.escape(row)} \| ([\d.]+) \| ([\d.]+) ± nan \| (-?\d+|nan)% \|$", out, re.M)
         assert found and found[1] == found[2], (row, out)  # one seed: its accuracy is the mean
         rows[row.split(" | ")[0]] = float(found[1]), found[3]
     # recovered: the share of the teacher's gain over SFT each row reaches, from the table's own accuracies (none

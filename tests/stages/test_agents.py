@@ -149,15 +149,17 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_an_openenv_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, monkeypatch):
-    """An OpenEnv environment served by openenv's own app (tests/openenv_game.py, a text game of three turns, each
-    turn of the policy its action): every episode is a session, its observations the user turns between the
-    policy's, its reward the server's."""
+    """An OpenEnv environment served by openenv's own app (tests/openenv_game.py, a text game, each turn of the policy
+    its action): every episode is a session, its observations the user turns between the policy's, its reward the
+    server's. The game is two turns here, and the policy samples at temperature 0.3 with 24 tokens a turn, so that
+    the server ends most games within the model's 128 positions (its observations take 35 of them)."""
     import shutil
 
     from tests import openenv_game as game
 
     shutil.copy(game.__file__, tmp_path / "openenv_game.py")  # the user's module, in the working folder
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(game.Tally, "TURNS", 2)
     url, stop = game.serve(game.Tally, game.Say, game.Heard)
     game.LOG.clear()
     try:
@@ -166,7 +168,8 @@ def test_an_openenv_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, 
         cfg, path = prepared(chain, tmp_path / "run", *trainer, "preference.max_steps=2", "preference.log_every=1",
                              "preference.environment=openenv:openenv_game:TallyClient",
                              f"preference.environment_url={url}", "preference.max_turns=3",
-                             "preference.max_length=128", f"preference.{algorithm}.max_new_tokens=16",
+                             "preference.max_length=128", f"preference.{algorithm}.max_new_tokens=24",
+                             f"preference.{algorithm}.temperature=0.3",
                              "preference.rewards=[{name: reward_model}, {name: environment}]")
         manifest, out_dir, _ = run_stage(cfg, path, algorithm)
     finally:
@@ -181,12 +184,11 @@ def test_an_openenv_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, 
             heard = [m["content"] for m in e["messages"][2::2]]
             assert heard == [f"turn {k + 1}: {len(s)} characters" for k, s in enumerate(said[:len(heard)])]
             ended.append(e["ended"])
-            if e["ended"] == "environment":  # the server's reward of the three turns it heard
-                assert len(said) == 3 and e["rewards"]["environment"] == pytest.approx(game.tally_reward(said))
+            if e["ended"] == "environment":  # the server's reward of the two turns it heard
+                assert len(said) == 2 and e["rewards"]["environment"] == pytest.approx(game.tally_reward(said))
             else:
                 assert e["rewards"]["environment"] == 0.0  # ended before the game did: no reward
-    # three turns of 16 tokens fit the 128 positions: the server ends most games, and its rewards are what is checked
-    assert ended.count("environment") > len(ended) / 2, ended
+    assert ended.count("environment") > len(ended) / 2, ended  # the server's rewards are what is checked
     said = {m["content"] for step in (1, 2) for e in episodes_of(out_dir, step) for m in e["messages"]
             if m["role"] == "assistant"}
     assert game.LOG and said & {message for _, message, _ in game.LOG}  # the server heard the policy's turns

@@ -193,9 +193,8 @@ class GRPOSection(GroupSection):
         "the batch), bnpo, cispo (clipped weights), sapo.")
     importance_sampling_level: Literal["token", "sequence"] = Setting(
         "token", description="The policy ratio per token, or per sequence (GSPO: the mean of its tokens' log-ratios).")
-    epsilon_high: float | None = Setting(None, gt=0, description="Upper clip of the ratio, 1 + epsilon_high (DAPO's "
-                                         "clip-higher, 0.28); with cispo the bound of its weight itself (epsilon "
-                                         "max). None: the lower bound's, 0.2; with cispo 5.0.")
+    epsilon_high: float | None = Setting(None, gt=0, description="The ratio's upper clip, 1 + epsilon_high (DAPO: 0.28); "
+                                         "cispo's bound on its weight itself. None: 0.2 (cispo: 5.0).")
 
 
 class RLOOSection(GroupSection):
