@@ -15,8 +15,9 @@ column of the prompts' rows, one list each (as TRL hands its reward functions th
 - `length`: minus the response's tokens over `preference.length_target` (0 at or under it);
 - `reasoning_gym`: on `data.prompts: reasoning_gym:<dataset>` rows, the dataset's own `score_answer` of the
   response (gptforge.core.procedural), 0 on a row reasoning-gym did not generate;
-- `unit_tests`: the share of the row's `tests` (Python statements) the response's program passes, run in the
-  sandbox (gptforge.model.rollout.sandbox).
+- `unit_tests`: the share of the row's `tests` (asserts of one expression each) the response's program passes:
+  the parts of each test that call the program evaluated in the sandbox, the comparison made here
+  (gptforge.model.rollout.judge).
 
 A stage with `overlong: penalty` adds `overlong` (gptforge.model.rollout.overlong), DAPO's soft penalty of
 responses near their length budget.
@@ -218,11 +219,11 @@ def build(pc, tokenizer=None) -> list[Reward]:
         elif spec.name == "format":
             out.append(Reward("format", spec.weight, key, format_match(pc.format_pattern)))
         elif spec.name == "unit_tests":
-            from gptforge.model.rollout import sandbox
+            from gptforge.model.rollout import judge, sandbox
             from gptforge.model.rollout.concurrency import Concurrent
 
             sandbox.require(key)
-            check = sandbox.unit_tests(sandbox.limits_of(pc.sandbox), Concurrent(pc.tool_concurrency))
+            check = judge.unit_tests(sandbox.limits_of(pc.sandbox), Concurrent(pc.tool_concurrency))
             out.append(Reward("unit_tests", spec.weight, key, check))
         elif spec.name == "reasoning_gym":
             require("reasoning_gym", key)

@@ -16,8 +16,10 @@ input is one `error:` line and nothing has trained.
 - every data source of every step the run may compute is there: each local file of `data.*` read (its digest,
   which the stage store needs anyway), so a missing `data.sft` or `data.prompts` fails now, not after tokenize
   and pretrain;
-- every user reward function of `preference.rewards` imports and is a function; the rollouts' environment and
-  tools import, each tool has type hints and a docstring, and the policy's chat template renders tools;
+- every user reward function of `preference.rewards` imports and is a function; the `unit_tests` reward's sandbox
+  runs a program here, and every prompt row's tests are asserts it can judge; the rollouts' environment and tools
+  import (the python tool's sandbox runs a program), each tool has type hints and a docstring, and the policy's
+  chat template renders tools;
 - every reward server answers; one that does not is a warning (it may be started later: the stage retries it).
 """
 
@@ -197,6 +199,13 @@ def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], No
                     f"try it {spec.retries} time(s) when it scores its first batch")
         elif spec.name and ":" in spec.name and spec.name != REWARD_MODEL:
             user_function(spec.name, key)
+        elif spec.name == "unit_tests":  # the sandbox runs here, and every row's tests are of the judged form
+            from gptforge.data import splits
+            from gptforge.model.rollout import judge, sandbox
+
+            sandbox.require(key)
+            items = splits.online_prompts(cfg.data)
+            judge.check_rows(items.train + items.val, str(cfg.data.prompts.path or "data.prompts"))
 
 
 def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:

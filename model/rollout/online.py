@@ -248,17 +248,11 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
         def _correct(self, out, trained, sampled, mask, token_weights) -> None:
             """RLOO's loss is one a sequence: the sequence's ratio (its tokens' product), truncated or banded,
             scales its advantage (a non-negative factor of both terms of the clipped loss)."""
-            import torch
+            from gptforge.model.rollout.offpolicy import sequence_weights
 
-            if rc.correction == "none":
-                return
-            ratio = torch.exp(((trained - sampled) * mask).sum(1))
-            if rc.correction == "tis":
-                weight = ratio.clamp(max=rc.tis_cap)
-            else:
-                low, high = rc.icepop_band
-                weight = ((ratio >= low) & (ratio <= high)).to(ratio.dtype)
-            out["advantages"] = out["advantages"] * weight.to(out["advantages"].dtype)
+            weight = sequence_weights(trained, sampled, mask, rc)
+            if weight is not None:
+                out["advantages"] = out["advantages"] * weight.to(out["advantages"].dtype)
 
         def _compute_loss(self, model, inputs):
             self._loss_mask = inputs["env_mask"]

@@ -121,9 +121,34 @@ def missing() -> str | None:
 
 
 def require(key: str) -> None:
+    """The sandbox runs here: its tools are installed, and a trivial program runs in it and prints what it should
+    (a host that drops CAP_SETUID, or refuses user namespaces, fails now, not as a score of 0 at the first call)."""
     why = missing()
     if why:
         raise ConfigError(f"{key} runs model-written code in a sandbox, but {why}; .ci/run and make install it")
+    result = run([PYTHON, "-I", "-c", "print(6 * 7)"], limits=Limits(wall_s=30))
+    if (result.exit_status, result.stdout) != (0, "42\n"):
+        raise ConfigError(f"{key} runs model-written code in a sandbox, but a trivial program does not run in it "
+                          f"here ({result.text(300)!r}); docs/sandbox.md says what the sandbox needs of the host")
+
+
+class SandboxError(RuntimeError):
+    """The sandbox did not start (the host could not run it): a failure of the call, never the program's result."""
+
+
+START = "\x1f"  # what a sandboxed program's launcher writes first: without it, the sandbox never started
+LAUNCH = ("import sys\nsys.stdout.write(" + repr(START) + ")\nsys.stdout.flush()\n"
+          "exec(compile(sys.stdin.read(), '<program>', 'exec'), {'__name__': '__main__'})")
+
+
+def started(result: Result, limits: Limits) -> Result:
+    """`result` without its start marker, or a SandboxError where the sandbox never started the program."""
+    if not result.stdout.startswith(START):
+        why = (f"it was killed ({result.reason}) before it started" if result.reason
+               else repr((result.stderr or result.stdout).strip()[:200]))
+        raise SandboxError(f"the sandbox did not start a program: {why}")
+    result.stdout = result.stdout[len(START):]
+    return result
 
 
 def command(uid: int, limits: Limits, argv: list[str]) -> list[str]:
@@ -302,69 +327,6 @@ def python_tool(limits: Limits):
         Args:
             code: the Python program to run
         """
-        return run([PYTHON, "-"], stdin=code, limits=limits).text(limits.output_bytes)
+        return started(run([PYTHON, "-I", "-c", LAUNCH], stdin=code, limits=limits), limits).text(limits.output_bytes)
 
     return python
-
-
-HARNESS = '''
-import json, sys
-
-
-def main():  # the key is a local here and the program runs in a namespace of its own
-    key = sys.stdin.readline().strip()
-    tests = json.loads(sys.stdin.readline())
-    space, passed = {"__name__": "__main__"}, 0
-    try:
-        exec(compile(sys.stdin.read(), "<response>", "exec"), space)
-    except BaseException:
-        tests = [None] * len(tests)  # none passes
-    for test in tests:
-        try:
-            if test is not None:
-                exec(compile(test, "<test>", "exec"), space)
-                passed += 1
-        except BaseException:
-            pass
-    sys.stdout.write(f"\\n{key} {passed} {len(tests)}\\n")
-    sys.stdout.flush()
-
-
-main()
-'''
-CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
-
-
-def code_of(response: str) -> str:
-    """The program a response writes: its last ```python block, else the whole response."""
-    blocks = CODE_BLOCK.findall(response)
-    return blocks[-1] if blocks else response
-
-
-def unit_tests(limits: Limits, calls=None):
-    """The built-in reward `unit_tests`: each response's program run in the sandbox against its row's `tests` (a
-    list of Python statements, asserts, or one string of them a line), scored by the share that pass; 0 where the
-    program fails to run, a row has no tests, or the sandbox killed it. The harness counts the tests in the same
-    process as the program (as the peers' sandboxes do) and prints its count after a key of the call's: a program
-    that ends its process early or prints a count of its own scores 0. (A program that searches its own interpreter
-    for the harness's key could still forge it: the sandbox keeps it from everything else, not from the harness.)"""
-
-    def score(response: str, tests) -> float:
-        if isinstance(tests, str):
-            tests = [t for t in tests.splitlines() if t.strip()]
-        if not tests:
-            return 0.0
-        key = secrets.token_hex(16)  # what the harness prints its count after: a program cannot print it first
-        result = run([PYTHON, "-c", HARNESS], stdin=f"{key}\n{json.dumps(list(tests))}\n{code_of(response)}",
-                     limits=limits)
-        counts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith(key + " ")]
-        if result.exit_status != 0 or len(counts) != 1:
-            return 0.0  # the program ended the process (os._exit, a signal, a limit) before the tests were counted
-        passed, total = map(int, counts[0])
-        return passed / max(1, total)
-
-    def unit_tests(prompts, responses, answers, tests=None, **_) -> list[float]:
-        rows = tests if tests is not None else [None] * len(responses)
-        return list((calls.map if calls else map)(lambda rt: score(*rt), zip(responses, rows)))
-
-    return unit_tests

@@ -193,8 +193,8 @@ class GRPOSection(GroupSection):
         "the batch), bnpo, cispo (clipped weights), sapo.")
     importance_sampling_level: Literal["token", "sequence"] = Setting(
         "token", description="The policy ratio per token, or per sequence (GSPO: the mean of its tokens' log-ratios).")
-    epsilon_high: float | None = Setting(None, gt=0, description="The ratio's upper clip, 1 + epsilon_high (DAPO: 0.28); "
-                                         "cispo's bound on its weight itself. None: 0.2 (cispo: 5.0).")
+    epsilon_high: float | None = Setting(None, gt=0, description="The ratio's upper clip, 1 + epsilon_high (DAPO: "
+                                         "0.28); cispo's bound on its weight itself. None: 0.2 (cispo: 5.0).")
 
 
 class RLOOSection(GroupSection):
@@ -216,8 +216,8 @@ class RolloutSection(Section):
     correction: Literal["none", "tis", "icepop"] = Setting("none", description="Off-policy correction of the policy "
                                                            "loss: truncated importance sampling, IcePop's band, none.")
     tis_cap: float = Setting(2.0, gt=0, description="tis: the cap of each token's ratio pi_train / pi_sampling.")
-    icepop_band: tuple[float, float] = Setting((0.5, 2.0), description="icepop: tokens whose ratio pi_train / "
-                                               "pi_sampling is outside [low, high] leave the loss.")
+    icepop_band: tuple[float, float] = Setting((0.5, 5.0), description="icepop: a token's weight is its ratio "
+                                               "pi_train / pi_sampling inside [low, high], 0 outside (Ring-1T's band).")
     max_mismatch: float | None = Setting(None, gt=0, description="A step whose KL from the sampling policy to the "
                                          "trainer's, per token, is over this is a bad step (None: logged only).")
 
@@ -278,8 +278,8 @@ class PreferenceSection(TrainSection):
                                "docstring), python (the sandbox), mcp:<command> or an MCP server's URL.")
     max_turns: int = Setting(4, ge=1, description="Turns of the policy in one rollout with tools; a turn that calls "
                              "no tool ends it.")
-    tool_timeout_s: float = Setting(10.0, gt=0, description="Seconds a tool call (and reset, get_reward) may take; "
-                                    "past it, the model reads a timeout error.")
+    tool_timeout_s: float = Setting(15.0, gt=0, description="Seconds a tool call (and reset, get_reward) may take; "
+                                    "past it, the model reads a timeout error (python: sandbox.wall_s + 5 at least).")
     tool_concurrency: int = Setting(16, ge=1, same_result=True, description="Tool calls, environment resets and "
                                     "rewards, and rewards a batch's episodes wait on at once, a process (1: in turn).")
     dpo: DPOSection = Setting(default_factory=DPOSection, description="DPO's own settings.")
@@ -327,7 +327,14 @@ class PreferenceSection(TrainSection):
                 re.compile(self.format_pattern)
             except re.error as e:
                 raise ValueError(f"preference.format_pattern {self.format_pattern!r} is not a regex: {e}") from None
+        if "python" in self.tools and self.tool_timeout_s < self.sandbox.wall_s + TOOL_MARGIN_S:
+            raise ValueError(f"preference.tool_timeout_s ({self.tool_timeout_s:g}) must be at least "
+                             f"preference.sandbox.wall_s ({self.sandbox.wall_s:g}) + {TOOL_MARGIN_S:g} with the python "
+                             "tool: the sandbox ends a program at its wall time, and the tool must outlast that")
         return self
+
+
+TOOL_MARGIN_S = 5.0  # the python tool's call over its sandbox's wall time: start-up, the kill, the reaping
 
 
 class DistillSection(SamplingSection, TrainSection):
