@@ -212,7 +212,7 @@ def score(program: str, tests: list[Test], limits: sandbox.Limits) -> float:
     parts = [p for t in tests for p in t.parts]
     result = sandbox.started(sandbox.run([sandbox.PYTHON, "-I", "-c", HARNESS], stdin=json.dumps(parts) + "\n" +
                                          program, limits=limits), limits)
-    lines = [line for line in result.stdout.splitlines() if line.startswith(MARK)]
+    lines = [line for line in result.stdout.split("\n") if line.startswith(MARK)]  # (splitlines splits at \x1e)
     try:
         values = json.loads(lines[-1][len(MARK):]) if lines else None
     except ValueError:

@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import json
 import os
 import pwd
-import re
 import resource
-import secrets
 import shutil
 import signal
 import subprocess

@@ -53,13 +53,14 @@ def test_a_right_program_scores_1_and_a_wrong_one_what_it_passes():
     assert score("while True:\n    pass\n", TESTS) == 0.0  # killed at its wall time
 
 
+ENDS_ITS_PROCESS = {"an int subclass whose __eq__ always holds",  # its values are not plain data
+                    "os._exit(0) after the program", "SystemExit(0)"}  # no value is written: no test holds
+
+
 @pytest.mark.parametrize("name", list(FORGERIES))
 def test_every_forgery_scores_no_more_than_the_honest_wrong_program(name):
     got, honest = score(FORGERIES[name]), score(WRONG)
-    if name.startswith("an int subclass"):
-        assert got == 0.0  # its values are not plain data: no test of them holds
-    else:
-        assert got == pytest.approx(honest), name
+    assert got == (0.0 if name in ENDS_ITS_PROCESS else pytest.approx(honest)) and honest == pytest.approx(1 / 3)
 
 
 def test_tests_are_split_into_the_programs_parts_and_the_rest_kept_here():
