@@ -71,8 +71,8 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     check_distill(cfg)
     if team:
         check_team(cfg, steps)
-    fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rewards(cfg, selected, log)
+    fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rollout(cfg, selected)
     check_rollouts_apart(cfg, selected)
     CHECKED.add(key)
@@ -200,12 +200,16 @@ def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], No
         elif spec.name and ":" in spec.name and spec.name != REWARD_MODEL:
             user_function(spec.name, key)
         elif spec.name == "unit_tests":  # the sandbox runs here, and every row's tests are of the judged form
-            from gptforge.data import splits
+            from gptforge.core.config import SourceSection
+            from gptforge.data.sources import kind_of, read_rows
             from gptforge.model.rollout import judge, sandbox
 
             sandbox.require(key)
-            items = splits.online_prompts(cfg.data)
-            judge.check_rows(items.train + items.val, str(cfg.data.prompts.path or "data.prompts"))
+            prompts = cfg.data.prompts
+            for source in (prompts, SourceSection(path=prompts.held_out) if prompts.held_out else None):
+                if source is not None and source.path is not None and kind_of(source.path) in ("local", "hub"):
+                    judge.check_rows((row.where, row.value.get("tests") or []) for row in read_rows(source)
+                                     if row.error is None and isinstance(row.value, dict))
 
 
 def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:

@@ -153,18 +153,19 @@ def tests_of(value) -> list[str]:
     raise ValueError(f"tests must be a list of strings or a string, not {type(value).__name__}")
 
 
-def check_rows(rows, where: str) -> None:
-    """Each row's tests are of the judged form, else one error naming the row (`where`: its file) and the test."""
-    for i, row in enumerate(rows):
+def check_rows(rows) -> None:
+    """Each row's tests (`rows`: (where, tests column) pairs, where a file:line) are of the judged form, else one
+    error naming the row and the test."""
+    for where, tests in rows:
         try:
-            for test in tests_of(row.get("tests") or []):
+            for test in tests_of(tests):
                 try:
                     split(test)
                 except ValueError as e:
                     raise ValueError(f"test {test!r}: {e}") from None
         except ValueError as e:
-            raise DataError(f"{where} row {i + 1}: {e}; the unit_tests reward takes asserts of one expression "
-                            "each, such as `assert f(3) == 21`") from None
+            raise DataError(f"{where}: {e}; the unit_tests reward takes asserts of one expression each, such as "
+                            "`assert f(3) == 21`") from None
 
 
 def decode(tagged):

@@ -83,11 +83,12 @@ def test_tests_are_split_into_the_programs_parts_and_the_rest_kept_here():
 
 
 def test_a_row_whose_tests_are_not_judged_asserts_is_one_error_naming_it():
-    rows = [{"tests": TESTS}, {"tests": "assert f() == 7\nassert f() > 0"}, {"tests": ["print(f())"]}]
-    with pytest.raises(DataError, match=r"^prompts.jsonl row 3: test 'print\(f\(\)\)': not a single `assert "
+    rows = [("prompts.jsonl:1", TESTS), ("prompts.jsonl:2", "assert f() == 7\nassert f() > 0"),
+            ("prompts.jsonl:3", ["print(f())"])]
+    with pytest.raises(DataError, match=r"^prompts.jsonl:3: test 'print\(f\(\)\)': not a single `assert "
                                         r"<expression>`; the unit_tests reward takes asserts"):
-        judge.check_rows(rows, "prompts.jsonl")
-    judge.check_rows(rows[:2], "prompts.jsonl")
+        judge.check_rows(rows)
+    judge.check_rows(rows[:2])
 
 
 def test_a_sandbox_that_does_not_start_is_an_error_not_a_score_of_0(monkeypatch):

@@ -117,6 +117,8 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
 
     (tmp_path / "ledger_env.py").write_text(LEDGER)
     shutil.copy(openenv_game.__file__, tmp_path / "openenv_game.py")
+    rows = [{"prompt": "Write f.", "tests": ["assert f() == 7"]}, {"prompt": "Write g.", "tests": ["print(g())"]}]
+    (tmp_path / "coding.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     base = ["--set", "preference.algorithm=ppo"]
     cases = [
@@ -137,6 +139,11 @@ def test_bad_environments_and_tools_are_one_line_before_anything_runs(tmp_path):
          "preference.tools: MCP server mcp:/no/such/server does not start: FileNotFoundError"),
         (["preference.tools=[python]", "preference.sandbox.wall_s=0"],
          "preference.sandbox.wall_s: Input should be greater than 0"),
+        (["preference.tools=[python]", "preference.tool_timeout_s=12"],
+         "preference.tool_timeout_s (12) must be at least preference.sandbox.wall_s (10) + 5 with the python tool"),
+        ([f"data.prompts={tmp_path / 'coding.jsonl'}", "preference.rewards=[{name: unit_tests}]",
+          "preference.algorithm=grpo"],
+         f"{tmp_path / 'coding.jsonl'}:2: test 'print(g())': not a single `assert <expression>`"),
     ]
     for overrides, line in cases:
         proc = subprocess.run([sys.executable, "-m", "gptforge.pipeline.cli", "run", "-c", str(TINY), *base,
