@@ -33,8 +33,9 @@ from gptforge.pipeline.preflight import preflight
 from gptforge.pipeline.report import FUNNEL, artifact_markdown, draw_funnel, funnel_markdown, write_report
 from gptforge.pipeline.store import RunRecord, locate, pipeline_steps, read_manifest, upstream
 from gptforge.pipeline.team.pools import STAGE_FLOW, Rejected, cancel_children, pool_of, run_on_pool
+from gptforge.core.files import CONFIGS
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = CONFIGS / "tiny.yaml"
 
 
 @task(task_run_name="{stage}", cache_policy=NO_CACHE)

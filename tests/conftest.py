@@ -34,16 +34,17 @@ SMALL = [
 ]
 
 
-# The longest files, by their seconds in the suite (a fresh clone on 2026-12-05): `make test` hands them out first
-# (--no-loadscope-reorder; pytest-xdist otherwise starts the files with the most tests first), so that the files of a
-# few seconds are the ones left to even out the two workers at the end. A file missing here only runs later.
+# The longest files, by their seconds in the suite (a full run on 2026-12-07; tests/README.md's table): `make test`
+# hands them out first (--no-loadscope-reorder; pytest-xdist otherwise starts the files with the most tests first), so
+# that the files of a few seconds are the ones left to even out the two workers at the end. A file missing here only
+# runs later.
 LONGEST_FIRST = [
-    "tests/pipeline/test_team.py", "tests/bench/test_agentic.py", "tests/bench/test_unit_tests.py",
-    "tests/stages/test_async_rollouts.py",
-    "tests/pipeline/test_two_hosts.py", "tests/stages/test_pretrained.py", "tests/bench/test_chained.py",
-    "tests/bench/test_browser.py", "tests/bench/test_training.py", "tests/stages/test_pretrain.py",
-    "tests/bench/test_data.py", "tests/stages/test_async_trl.py", "tests/stages/test_long_context.py",
-    "tests/stages/test_curate.py", "tests/stages/test_guard.py",
+    "tests/bench/test_agentic.py", "tests/pipeline/test_two_hosts.py", "tests/bench/test_training.py",
+    "tests/pipeline/test_team.py", "tests/stages/test_async_rollouts.py", "tests/bench/test_chained.py",
+    "tests/bench/test_unit_tests.py", "tests/bench/test_browser.py", "tests/stages/test_agents.py",
+    "tests/stages/test_pretrain.py", "tests/stages/test_async_trl.py", "tests/bench/test_data.py",
+    "tests/stages/test_curate.py", "tests/stages/test_pretrained.py", "tests/stages/test_long_context.py",
+    "tests/bench/test_environments.py",
 ]
 
 

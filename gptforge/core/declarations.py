@@ -159,6 +159,7 @@ _DISTILL_MODELS = {"start": "distill.student", "teacher": "distill.teacher"}
 _TRAINED.append(Stage(
     "distill", "distill", ("curate", *NAMEABLE), ("distill", "preference.environment", "preference.tools",
                                                    "preference.max_turns", "preference.tool_timeout_s",
+                                                   "preference.sandbox",
                                                    "preference.rollout"),
     data="preference", section="distill", reads="prompts", async_rollouts=True, loss_units=DIVERGENCE,
     named=tuple(_DISTILL_MODELS.values()), unused_inputs={s: _unnamed(s) for s in NAMEABLE},

@@ -10,6 +10,10 @@ from pathlib import Path
 
 from gptforge.core.errors import storage_error
 
+# the shipped configs (tiny.yaml, the DeepSpeed JSONs): the repository's configs/, which gptforge/configs links to
+# in a checkout and a wheel holds as package data
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
 # What a training stage's output holds: `model/` (adapters merged, where it trained any) and, for an adapter stage,
 # `adapter/` (the PEFT adapter alone); see gptforge.model.export.export_model.
 MODEL_OUTPUTS = {"model": "model", "adapter": "adapter"}

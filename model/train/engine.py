@@ -10,14 +10,14 @@ import functools
 import json
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from gptforge.core.errors import UserError
 from gptforge.model.train.distributed import load_muon, return_freed_memory
+from gptforge.core.files import CONFIGS
 
-DS_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
+DS_CONFIGS = CONFIGS / "deepspeed"
 
 
 def zero_config(dist, device: torch.device, hidden_size: int | None = None) -> dict:

@@ -11,7 +11,6 @@ records them and emits nothing.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.events import DeploymentEventTrigger, emit_event
@@ -21,9 +20,10 @@ from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.pipeline.store import data_of, digest_cache, pipeline_steps
 from gptforge.core.registry import named_models
+from gptforge.core.files import CONFIGS
 
 EVENT = "gptforge.data.changed"
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = CONFIGS / "tiny.yaml"
 
 
 def resource_id(cfg: PipelineConfig) -> str:

@@ -73,6 +73,12 @@ def test_each_algorithm_hashes_the_shared_fields_and_its_own():
         "dpo", "eval-dpo", "ppo", "eval-ppo", "grpo", "eval-grpo", "rloo", "eval-rloo"]
     assert changed(base, fingerprints(load_config(TINY, [*every, "reward.lr=1e-4"]))) == [  # DPO uses no reward model
         "reward", "eval-dpo", "ppo", "eval-ppo", "grpo", "eval-grpo", "rloo", "eval-rloo"]
+    # the sandbox's limits change what the python tool returns: every stage that rolls out with it, distill too
+    # (and DPO, which hashes the whole preference section)
+    distill = [*every, "distill.enabled=true", "distill.teacher=grpo", "preference.tools=[python]"]
+    base = fingerprints(load_config(TINY, distill))
+    assert changed(base, fingerprints(load_config(TINY, [*distill, "preference.sandbox.memory_mb=256"]))) == [
+        "dpo", "eval-dpo", "ppo", "eval-ppo", "grpo", "eval-grpo", "rloo", "eval-rloo", "distill", "eval-distill"]
 
 
 def test_evaluation_settings_rerun_evaluation_only(small_cfg):
