@@ -17,6 +17,14 @@ The requests of every open session are sampled together: the endpoint waits unti
 turn of every open episode. A request past `max_turns`, past the length budget, or after a turn cut by its budget
 is answered with an error (HTTP 400), which the harness records; the episode ends there.
 
+A request the endpoint cannot read (not JSON, not an object, a field of the wrong type, a negative or oversized
+number, a token id outside the vocabulary) is answered 400 with the reason, before anything of the session changes:
+the harness may correct it. Every request carries the run's key (`Authorization: Bearer <key>`, a fresh one a
+process, handed to the harnesses gptforge drives), or is answered 401: another user of the host cannot drive a
+session. A sampler that fails answers every request of its batch (500, its error) and the failure goes on to the
+rollout process; a request that waits past `wait_s` for its turn is answered 503. The endpoint binds to 127.0.0.1
+unless told otherwise (`preference.endpoint_host`), which is warned about.
+
 On a GPU, vLLM's own server takes this one's place behind the same seam (the engine, gptforge.model.rollout.engine).
 """
 
@@ -25,6 +33,8 @@ from __future__ import annotations
 import json
 import queue
 import re
+import secrets
+import sys
 import threading
 import time
 import uuid
@@ -45,6 +55,14 @@ class Refused(Exception):
         self.ended = ended
 
 
+class Invalid(Exception):
+    """A request the endpoint cannot read: answered 400, the session unchanged."""
+
+
+class SamplerFailed(Exception):
+    """The sampler raised while this request's batch was sampled."""
+
+
 @dataclass
 class Session:
     """One episode's conversation with the endpoint."""
@@ -62,15 +80,22 @@ class Request:
     budget: int
     done: threading.Event = field(default_factory=threading.Event)
     turn: list[int] | None = None
+    error: str | None = None  # the sampler's, where it failed on this request's batch
 
 
 class Endpoint:
     """An OpenAI-compatible endpoint over a sampler, one session an episode (see the module)."""
 
     def __init__(self, tokenizer, fmt: str, max_turns: int, max_length: int, stop_ids: set[int],
-                 host: str = "127.0.0.1", port: int = 0, model: str = "policy", window_s: float = 0.05):
+                 host: str = "127.0.0.1", port: int = 0, model: str = "policy", window_s: float = 0.05,
+                 wait_s: float = 600.0):
         self.tokenizer, self.fmt, self.max_turns, self.max_length = tokenizer, fmt, max_turns, max_length
-        self.stop_ids, self.model, self.window_s = stop_ids, model, window_s
+        self.stop_ids, self.model, self.window_s, self.wait_s = stop_ids, model, window_s, wait_s
+        self.vocab = len(tokenizer)
+        self.key = secrets.token_urlsafe(24)  # what every request must carry (Authorization: Bearer <key>)
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: the policy's endpoint listens on {host}, not on loopback: any host that reaches it and "
+                  "holds the run's key can drive its sessions (preference.endpoint_host)", file=sys.stderr)
         self.sessions: dict[str, Session] = {}
         self.requests: queue.Queue[Request] = queue.Queue()
         self._lock = threading.Lock()
@@ -119,14 +144,50 @@ class Endpoint:
                     batch.append(self.requests.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
-            turns = sample([r.sequence for r in batch], [r.budget for r in batch])
+            try:
+                turns = sample([r.sequence for r in batch], [r.budget for r in batch])
+            except Exception as e:  # every request of the batch is answered, then the rollout process fails
+                for request in batch:
+                    request.error = f"{type(e).__name__}: {e}"
+                    request.done.set()
+                raise
             for request, turn in zip(batch, turns, strict=True):
                 request.turn = turn
                 request.done.set()
 
     # --- a session's turns: the HTTP threads ---
 
+    def budget_of(self, body: dict) -> int:
+        """The request's max_completion_tokens (or max_tokens): a positive int, at most max_length; else Invalid."""
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked is None:
+            return self.max_length
+        if isinstance(asked, bool) or not isinstance(asked, int) or not 0 < asked <= 1 << 20:
+            raise Invalid(f"max_tokens must be a positive integer, not {asked!r}")
+        return asked
+
+    def check_chat(self, body: dict) -> None:
+        messages, tools = body.get("messages"), body.get("tools")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise Invalid("messages must be a non-empty list of message objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list, type(None))):
+                raise Invalid(f"messages[{i}] needs a role (a string) and a content (a string, a list or null)")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise Invalid("tools must be a list of tool objects")
+        self.budget_of(body)
+
+    def check_completion(self, body: dict) -> None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab for i in prompt):
+                raise Invalid(f"prompt's token ids must be integers in [0, {self.vocab})")
+        elif not isinstance(prompt, (str, type(None))):
+            raise Invalid("prompt must be a string or a list of token ids")
+        self.budget_of(body)
+
     def chat(self, session: Session, body: dict) -> dict:
+        self.check_chat(body)
         messages, tools = body.get("messages") or [], body.get("tools") or None
         if session.episode is None:
             ids = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
@@ -154,6 +215,7 @@ class Endpoint:
                             "chat.completion")
 
     def completion(self, session: Session, body: dict) -> dict:
+        self.check_completion(body)
         prompt = body.get("prompt")
         ids = prompt if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt) else \
             self.tokenizer(prompt or "", add_special_tokens=False)["input_ids"]
@@ -190,14 +252,16 @@ class Endpoint:
     def _turn(self, session: Session, body: dict) -> list[int]:
         e = session.episode
         sequence = e.prompt_ids + e.ids
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_length
-        budget = min(int(asked), self.max_length - len(sequence))
+        budget = min(self.budget_of(body), self.max_length - len(sequence))
         if budget <= 0:
             raise Refused(f"the conversation is {len(sequence)} tokens, with no room left under "
                           f"preference.max_length ({self.max_length})", "max_length")
         request = Request(sequence, budget)
         self.requests.put(request)
-        request.done.wait()
+        if not request.done.wait(self.wait_s):
+            raise Refused(f"no turn was sampled within {self.wait_s:g} s", "timeout")
+        if request.error is not None:
+            raise SamplerFailed(request.error)
         turn = request.turn
         e.ids += turn
         e.mask += [1] * len(turn)
@@ -271,28 +335,53 @@ def handler(endpoint: Endpoint):
             return match, session
 
         def do_GET(self):
+            if not self._authorized():
+                return
             match, session = self._session()
             if session is not None:
                 self._send(200, {"object": "list", "data": [{"id": endpoint.model, "object": "model",
                                                              "max_model_len": endpoint.max_length}]})
 
+        def _authorized(self) -> bool:
+            if secrets.compare_digest(self.headers.get("Authorization", ""), f"Bearer {endpoint.key}"):
+                return True
+            self._send(401, {"error": {"message": "a request must carry the run's key (Authorization: Bearer)",
+                                       "type": "authentication_error"}})
+            return False
+
         def do_POST(self):
+            if not self._authorized():
+                return
             match, session = self._session()
             if session is None:
                 return
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            if body.get("stream"):
-                return self._send(400, {"error": {"message": "streaming is not served", "type": "invalid_request"}})
             try:
+                length = int(self.headers.get("Content-Length", 0))
+                if not 0 <= length <= 16 << 20:
+                    raise Invalid("the body is over 16 MiB")
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise Invalid(f"the body is not JSON ({e})") from None
+                if not isinstance(body, dict):
+                    raise Invalid(f"the body must be a JSON object, not {type(body).__name__}")
+                if body.get("stream"):
+                    raise Invalid("streaming is not served")
                 if not session.open:
                     raise Refused("the session's episode is over", session.episode.ended if session.episode else "")
                 answer = endpoint.chat(session, body) if match["kind"] == "chat/completions" else \
                     endpoint.completion(session, body)
+            except Invalid as e:
+                return self._send(400, {"error": {"message": str(e), "type": "invalid_request"}})
+            except SamplerFailed as e:
+                session.open = False
+                return self._send(500, {"error": {"message": f"the sampler failed: {e}", "type": "server_error"}})
             except Refused as e:
                 session.open = False
                 if session.episode is not None:
                     session.episode.ended = e.ended
-                return self._send(400, {"error": {"message": str(e), "type": "invalid_request", "code": e.ended}})
+                code = 503 if e.ended == "timeout" else 400
+                return self._send(code, {"error": {"message": str(e), "type": "invalid_request", "code": e.ended}})
             self._send(200, answer)
 
     return Handler

@@ -39,13 +39,15 @@ def is_mcp(spec: str) -> bool:
     return spec.startswith(("mcp:", "http://", "https://"))
 
 
-def tools(spec: str, timeout_s: float) -> list[Callable]:
-    """The tools of the MCP server `spec` names, its session started in this process where it is not yet."""
+def tools(spec: str, timeout_s: float, output_chars: int = 16_384) -> list[Callable]:
+    """The tools of the MCP server `spec` names, its session started in this process where it is not yet; what a
+    call returns is cut at `output_chars` (the sandbox's output limit: an MCP server runs outside it, as the
+    trainer's user, and its output must not flood an episode)."""
     with _lock:
         server = _servers.get(spec)
         if server is None:
             server = _servers[spec] = Server(spec, timeout_s)
-    return server.tools()
+    return server.tools(output_chars)
 
 
 def close(spec: str | None = None) -> None:
@@ -112,10 +114,10 @@ class Server:
         finally:
             self.client = None
 
-    def tools(self) -> list[Callable]:
-        return [self._tool(t) for t in self.listed.tools]
+    def tools(self, output_chars: int) -> list[Callable]:
+        return [self._tool(t, output_chars) for t in self.listed.tools]
 
-    def _tool(self, listed) -> Callable:
+    def _tool(self, listed, output_chars: int) -> Callable:
         name = listed.name
 
         async def call(**arguments) -> str:
@@ -126,6 +128,8 @@ class Server:
                 raise RuntimeError(f"the MCP server {self.spec} has ended")
             result = await client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s)
             text = "\n".join(b.text for b in result.content if isinstance(b, types.TextContent))
+            if len(text) > output_chars:
+                text = text[:output_chars] + f"\n[cut at {output_chars} characters]"
             if result.is_error:
                 raise RuntimeError(text or "the tool reported an error")
             return text

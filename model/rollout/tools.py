@@ -104,12 +104,19 @@ class Setup:
         from gptforge.model.rollout import mcp
 
         factory = environments.factory(environment, url, timeout_s)
-        functions = []
+        functions, source = [], {}
+        cap = (sandbox or {}).get("output_bytes", 16_384)
         for spec in tools:
-            functions += mcp.tools(spec, timeout_s) if mcp.is_mcp(spec) else \
+            got = mcp.tools(spec, timeout_s, cap) if mcp.is_mcp(spec) else \
                 [built_in(spec, sandbox) or user_function(spec, "preference.tools")]
-        for fn in functions:
-            schema(fn, "preference.tools")
+            for fn in got:  # one tool a name: a server's `python` must not stand in for the sandboxed one
+                name = schema(fn, "preference.tools")["function"]["name"]
+                if name in source:
+                    mcp.close()
+                    raise ConfigError(f"preference.tools: two tools named {name!r}, from {source[name]} and from "
+                                      f"{spec}; a tool's name must be unique (drop one, or rename it in its source)")
+                source[name] = spec
+            functions += got
         if factory is not None:
             probe = factory()
             if not callable(getattr(probe, "reset", None)):

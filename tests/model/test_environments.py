@@ -199,9 +199,9 @@ def test_the_endpoint_serves_completions_token_exact_and_refuses_what_would_brea
     done = threading.Event()
     threading.Thread(target=endpoint.serve, args=(sample, done.is_set), daemon=True).start()
 
-    def post(url, body):
-        request = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+    def post(url, body, key=endpoint.key, raw=None, kind="completions"):
+        request = urllib.request.Request(f"{url}/{kind}", raw if raw is not None else json.dumps(body).encode(),
+                                         {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
         try:
             with urllib.request.urlopen(request, timeout=10) as r:
                 return 200, json.loads(r.read())
@@ -210,6 +210,19 @@ def test_the_endpoint_serves_completions_token_exact_and_refuses_what_would_brea
 
     try:
         url = endpoint.open()
+        assert post(url, {"prompt": [1, 2, 3]}, key="guessed")[0] == 401  # the run's key, or nothing
+        # requests it cannot read: 400 with the reason, the session untouched (its first turn still to come)
+        for body, raw, kind, why in (
+                (None, b"{not json", "completions", "not JSON"), ([1, 2], None, "completions", "JSON object"),
+                ({"prompt": [1, 2, 10 ** 6]}, None, "completions", "token ids must be integers in"),
+                ({"prompt": [1, -2]}, None, "completions", "token ids"),
+                ({"prompt": [1, 2], "max_tokens": "abc"}, None, "completions", "max_tokens must be"),
+                ({"prompt": [1, 2], "max_tokens": -1}, None, "completions", "max_tokens must be"),
+                ({"messages": "hi"}, None, "chat/completions", "messages must be"),
+                ({"messages": [{"role": "user", "content": 5}]}, None, "chat/completions", "messages[0] needs")):
+            code, answer = post(url, body, raw=raw, kind=kind)
+            assert code == 400 and why in answer["error"]["message"], (body, answer)
+            assert endpoint.session(url).open and endpoint.session(url).episode is None
         code, first = post(url, {"prompt": [1, 2, 3]})
         assert code == 200 and first["choices"][0]["token_ids"] == [5, 6, eot]
         assert len(first["choices"][0]["logprobs"]["content"]) == 3 and first["prompt_token_ids"] == [1, 2, 3]
@@ -228,4 +241,51 @@ def test_the_endpoint_serves_completions_token_exact_and_refuses_what_would_brea
         assert code == 400 and full["error"]["code"] == "max_length"
     finally:
         done.set()
+
+
+def test_a_sampler_that_fails_answers_every_request_of_its_batch(tokenizers):  # noqa: F811
+    """Two sessions' requests sampled as one batch by a sampler that raises: both are answered (500, the error), the
+    serving loop raises the error to the rollout process, and nothing waits for ever."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from gptforge.model.rollout.endpoint import Endpoint
+
+    tok = tokenizers["hermes"]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def sample(sequences, budgets):
+        raise IndexError("index out of range in self")
+
+    endpoint = Endpoint(tok, "hermes", max_turns=2, max_length=40, stop_ids={eot}, window_s=1.0)
+    raised: list = []
+
+    def serve():
+        try:
+            endpoint.serve(sample, lambda: False)
+        except IndexError as e:
+            raised.append(e)
+
+    threading.Thread(target=serve, daemon=True).start()
+    answers: dict = {}
+
+    def post(url):
+        request = urllib.request.Request(f"{url}/completions", json.dumps({"prompt": [1, 2]}).encode(),
+                                         {"Content-Type": "application/json", "Authorization": f"Bearer {endpoint.key}"})
+        try:
+            urllib.request.urlopen(request, timeout=20)
+        except urllib.error.HTTPError as e:
+            answers[url] = (e.code, json.loads(e.read())["error"]["message"])
+
+    urls = [endpoint.open(), endpoint.open()]
+    posts = [threading.Thread(target=post, args=(u,)) for u in urls]
+    for t in posts:
+        t.start()
+    for t in posts:
+        t.join(30)
+    assert {answers[u] for u in urls} == {(500, "the sampler failed: IndexError: index out of range in self")}
+    assert raised and not any(endpoint.session(u).open for u in urls)
+    endpoint.close()
         endpoint.close()

@@ -4,6 +4,7 @@ once under the tool timeout, their errors the model's messages, a stdio server o
 streamable HTTP too; and the mistakes a user can make, each one error line."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ def stdio():
 def test_a_stdio_servers_tools_in_episodes_at_once_and_its_life(tokenizers, stdio):  # noqa: F811
     tok = tokenizers["hermes"]
     setup = Setup.load(None, [stdio], timeout_s=5, concurrency=4)
-    assert [fn.__name__ for fn in setup.tools] == ["add", "fail", "count", "pid", "wait"]
+    assert [fn.__name__ for fn in setup.tools] == ["add", "fail", "count", "pid", "echo", "wait"]
     box = setup.toolbox({})
     add = next(s for s in box.schemas if s["function"]["name"] == "add")["function"]
     assert add["description"] == "Add two numbers." and add["parameters"]["required"] == ["a", "b"]
@@ -96,3 +97,17 @@ def test_mcp_mistakes_are_one_line_naming_the_entry():
     for spec, line in cases:
         with pytest.raises(UserError, match=r"preference.tools: .*" + line):
             Setup.load(None, [spec], timeout_s=5)
+    # a name two tools take: a server's own `python` would stand in for the sandboxed one; two servers' `add`
+    for tools, name, first in ((["python", f"{SERVER} --python"], "python", "python"),
+                               ([SERVER, f"{SERVER} --only add"], "add", SERVER)):
+        with pytest.raises(UserError, match=rf"preference.tools: two tools named '{name}', from {re.escape(first)} "
+                                            r"and from .*; a tool's name must be unique"):
+            Setup.load(None, tools, timeout_s=5)
+
+
+def test_an_mcp_tools_output_is_cut_like_the_sandboxs(stdio):
+    """An MCP server runs outside the sandbox, as the trainer's user: what its tool returns is cut at the sandbox's
+    output limit, as the python tool's is."""
+    box = Setup.load(None, [f"{stdio} --only echo"], timeout_s=5, sandbox={"output_bytes": 100}).toolbox({})
+    assert box.call("echo", {"text": "x" * 500}).result == "x" * 100 + "\n[cut at 100 characters]"
+    assert box.call("echo", {"text": "short"}).result == "short"

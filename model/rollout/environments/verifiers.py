@@ -22,7 +22,7 @@ from gptforge.model.rollout.concurrency import event_loop
 from gptforge.model.rollout.endpoint import Endpoint
 
 KEY = "preference.environment"
-KEY_VAR = "GPTFORGE_ENDPOINT_KEY"  # the endpoint takes any key; verifiers reads one from a variable
+KEY_VAR = "GPTFORGE_ENDPOINT_KEY"  # verifiers reads the endpoint's key from a variable
 
 
 class Driver:
@@ -55,7 +55,7 @@ class Driver:
         from gptforge.model.rollout.trajectory import Finished
 
         endpoint = self.serving(tokenizer, fmt, max_turns, max_length, stop_ids)
-        os.environ.setdefault(KEY_VAR, "gptforge")
+        os.environ[KEY_VAR] = endpoint.key  # the run's key: the harness's client sends it with every request
         urls = [endpoint.open() for _ in rows]
         limit = asyncio.Semaphore(self.concurrency)
 
