@@ -34,6 +34,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -148,12 +149,75 @@ def started(result: Result, limits: Limits) -> Result:
     return result
 
 
-def command(uid: int, limits: Limits, argv: list[str]) -> list[str]:
+# --- the seccomp filter: what a program in the sandbox may not ask of the kernel ---------------------------------
+
+# namespaces (the sandbox's own are made before the filter loads), mounts, other processes' memory, the kernel's
+# attack surfaces that a program has no use for (io_uring, bpf, keyrings, perf, userfaultfd, modules, kexec)
+DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsmount",
+          "fsconfig", "fspick", "mount_setattr", "ptrace", "process_vm_readv", "process_vm_writev", "bpf", "keyctl",
+          "add_key", "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "perf_event_open",
+          "userfaultfd", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+          "open_by_handle_at", "name_to_handle_at", "sched_setaffinity", "personality", "acct", "swapon", "swapoff",
+          "reboot", "syslog")
+CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+_filter: bytes | None = None
+
+
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+def seccomp_filter() -> bytes:
+    """The sandbox's seccomp program (BPF, as bwrap's --seccomp loads it), built once a process with libseccomp:
+    DENIED fails with EPERM, clone with any CLONE_NEW* flag too, and clone3 with ENOSYS (its flags lie in memory a
+    filter cannot read; the C library falls back to clone)."""
+    global _filter
+    if _filter is None:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+        lib.seccomp_init.restype = ctypes.c_void_p
+        lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                               ctypes.POINTER(_ArgCmp)]
+        lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+        lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.seccomp_release.argtypes = [ctypes.c_void_p]
+        allow, eperm, enosys, masked_eq = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 7
+        ctx = lib.seccomp_init(allow)
+        try:
+            def deny(name: str, action: int, *args: _ArgCmp) -> None:
+                number = lib.seccomp_syscall_resolve_name(name.encode())
+                if number < 0:  # not a system call of this architecture
+                    return
+                array = (_ArgCmp * len(args))(*args) if args else None
+                if lib.seccomp_rule_add_array(ctx, action, number, len(args), array) != 0:
+                    raise OSError(f"seccomp: cannot add a rule for {name}")
+
+            for name in DENIED:
+                deny(name, eperm)
+            for flag in CLONE_NEW:
+                deny("clone", eperm, _ArgCmp(0, masked_eq, flag, flag))
+            deny("clone3", enosys)
+            with tempfile.TemporaryFile() as f:
+                if lib.seccomp_export_bpf(ctx, f.fileno()) != 0:
+                    raise OSError("seccomp: cannot export the filter")
+                f.seek(0)
+                _filter = f.read()
+        finally:
+            lib.seccomp_release(ctx)
+    return _filter
+
+
+def command(uid: int, limits: Limits, argv: list[str], seccomp_fd: int) -> list[str]:
+    """setpriv to the call's uid, then bwrap: every namespace of its own and no new ones (--disable-userns, the
+    seccomp filter), a read-only root with /usr, a /dev of device nodes that is read-only but for a /dev/shm as
+    small as the scratch folder, the scratch tmpfs, a clean environment."""
+    disk = str(limits.disk_mb << 20)
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--",
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--clearenv",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
-            "--size", str(limits.disk_mb << 20), "--tmpfs", "/scratch", "--remount-ro", "/", "--chdir", "/scratch",
+            "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev", "--size", disk, "--tmpfs",
+            "/dev/shm", "--remount-ro", "/dev", "--size", disk, "--tmpfs", "/scratch", "--remount-ro", "/",
+            "--chdir", "/scratch", "--seccomp", str(seccomp_fd),
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch",
             "--setenv", "LANG", "C.UTF-8", "--", *argv]
 
@@ -207,8 +271,15 @@ def _run(uid: int, argv: list[str], stdin: str, limits: Limits) -> Result:
                             (resource.RLIMIT_FSIZE, limits.disk_mb << 20), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(what, (value, value))
 
-    process = subprocess.Popen(command(uid, limits, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, preexec_fn=limited, start_new_session=True)
+    rules = tempfile.TemporaryFile()  # the filter, read by bwrap from an inherited descriptor
+    rules.write(seccomp_filter())
+    rules.seek(0)
+    try:
+        process = subprocess.Popen(command(uid, limits, argv, rules.fileno()), stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limited,
+                                   start_new_session=True, pass_fds=(rules.fileno(),))
+    finally:
+        rules.close()
     process.pidfd = os.pidfd_open(process.pid)  # before anything can reap it: a kill reaches this process or none
     try:
         return _watch(process, stdin, limits)

@@ -121,6 +121,57 @@ def test_its_process_and_open_file_limits_pid_namespace_and_uid_are_its_own():
     assert len(uids) == 1 and os.getuid() not in uids and ran["r"].stdout.strip() == "up"  # a sandbox uid ran it
 
 
+def test_dev_is_read_only_and_the_kernel_refuses_new_namespaces_and_its_attack_surfaces():
+    """/dev's nodes read-only, /dev/shm no larger than the scratch folder; no user or network namespace of its own
+    making (the sandbox's are made before its seccomp filter loads, and --disable-userns closes nested ones), and
+    io_uring, bpf, keyrings, ptrace, mount and widening its own cores refused with EPERM (a plain process here may
+    do each)."""
+    assert boxed("open('/dev/x', 'w')").stderr.endswith("OSError: [Errno 30] Read-only file system: '/dev/x'")
+    shm = boxed("open('/dev/shm/x', 'wb').write(b'0' * (64 << 20))", disk_mb=8)
+    assert shm.exit_status == 1 and ("File too large" in shm.stderr or "No space" in shm.stderr)
+    calls = {  # each a raw system call: (what a plain process gets here, what the sandboxed one must get)
+        "unshare(NEWUSER|NEWNET)": "libc.unshare(0x10000000 | 0x40000000)",
+        "io_uring_setup": "libc.syscall(425, 8, ctypes.create_string_buffer(120))",
+        "bpf": "libc.syscall(321, 0, ctypes.create_string_buffer(128), 128)",
+        "keyctl": "libc.syscall(250, 0, 0, 0, 0, 0)",
+        "ptrace(TRACEME)": "libc.ptrace(0, 0, 0, 0)",
+        "mount": "libc.mount(b'none', b'/scratch', b'tmpfs', 0, None)",
+        "sched_setaffinity": "libc.sched_setaffinity(0, 8, ctypes.byref(ctypes.c_ulong(3)))",
+    }
+    probe = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nr = {}\nprint(r, ctypes.get_errno())"
+    for what, call in calls.items():
+        got = boxed(probe.format(call))
+        result, errno = got.stdout.split()
+        assert (result, errno) == ("-1", "1"), (what, got)  # EPERM
+    assert naive(probe.format(calls["io_uring_setup"])).stdout.split()[0] != "-1"  # the host's kernel has it
+    forked = boxed("import threading, subprocess\nt = threading.Thread(target=print, args=('thread',))\nt.start()\n"
+                   "t.join()\nprint(subprocess.run(['/usr/bin/echo', 'child'], capture_output=True, text=True).stdout)")
+    assert forked.stdout.split() == ["thread", "child"]  # threads and children as before (clone without NEW* flags)
+
+
+LONG_CALL = """
+from gptforge.model.rollout.sandbox import PYTHON, Limits, run
+r = run([PYTHON, "-c", "import time; time.sleep(3); print('done')"], limits=Limits(wall_s=20))
+print(r.exit_status, r.stdout.strip())
+"""
+
+
+def test_two_processes_calling_at_once_and_many_calls_back_to_back():
+    """Another process's long call runs while this one makes short calls: each has its own uid, and nothing this
+    process's calls do reaches it. Then 200 calls in a row under a process limit of 8, each judged right: no zombie
+    and no uid of an earlier call counts against the next."""
+    from gptforge.model.rollout import judge
+
+    long = subprocess.Popen([sys.executable, "-c", LONG_CALL], stdout=subprocess.PIPE, text=True)
+    time.sleep(1)  # (its call is under way)
+    for _ in range(20):
+        assert boxed("print(1)").stdout == "1\n"
+    assert long.communicate(timeout=60)[0].split() == ["0", "done"]  # unharmed
+    tests = [judge.split(t) for t in ("assert f(2) == 4", "assert f(3) == 9")]
+    scores = [judge.score("def f(x):\n    return x * x\n", tests, Limits(processes=8)) for _ in range(200)]
+    assert scores == [1.0] * 200
+
+
 def test_nothing_of_a_call_outlives_it():
     started = boxed("import subprocess\nsubprocess.Popen(['/usr/bin/python3', '-c', 'import time; time.sleep(60)'])\n"
                     "print('started')")
