@@ -238,7 +238,9 @@ def cmd_generate(args) -> int:
     from gptforge.model.rollout.generate import kv_cache
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(model_dir)).eval()
-    if args.chat:
+    # a model with a chat template (every gptforge model after SFT) is asked as a user; --raw continues the text
+    chat = not args.raw and bool(tokenizer.chat_template)
+    if chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
                                                add_generation_prompt=True)
     else:
@@ -254,7 +256,7 @@ def cmd_generate(args) -> int:
                              num_return_sequences=args.num_samples)
     for row in out:
         reply = tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=not args.show_special)
-        print(reply if args.chat else prompt + reply)  # a chat prints the reply alone, not the templated prompt
+        print(reply if chat else prompt + reply)  # a chat prints the reply alone, not the templated prompt
     return 0
 
 
@@ -307,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="sample from any stage's model directory")
     gen.add_argument("model_dir")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+    gen.add_argument("--raw", action="store_true", help="continue the prompt as text; by default a model with a "
+                     "chat template is asked the prompt as a user turn")
+    gen.add_argument("--chat", action="store_true", help="(the default where the model has a chat template)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     gen.add_argument("--top-k", type=int, default=0)

@@ -101,9 +101,10 @@ def test_a_stage_started_with_fewer_processes_than_its_config_asks_for(tmp_path)
 
 
 def test_generate_stops_at_the_models_own_stop_token_and_a_chat_prints_the_reply_alone(tmp_path, capsys):
-    """`gptforge generate --chat` on a Llama 3-style model that always says end of text: the reply is empty (it
-    stopped at that stop token of its generation_config, which its template never shows) and nothing of the
-    templated prompt is printed; without --chat the prompt is printed before the continuation."""
+    """`gptforge generate` on a Llama 3-style model (it has a chat template) that always says end of text: asked as
+    a user by default, the reply is empty (it stopped at that stop token of its generation_config, which its
+    template never shows) and nothing of the templated prompt is printed; with --raw the prompt is continued as
+    text and printed before the continuation."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,10 +117,11 @@ def test_generate_stops_at_the_models_own_stop_token_and_a_chat_prints_the_reply
         model.lm_head.weight.zero_()
         model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|end_of_text|>")] = 1.0
     model.save_pretrained(d)
-    assert main(["generate", str(d), "--prompt", "What is 3 plus 5?", "--chat", "--max-new-tokens", "4"]) == 0
-    out = capsys.readouterr().out  # (a first import of DeepSpeed may print a line of its own before)
-    assert out.splitlines()[-1] == "" and "What is" not in out and "header" not in out
-    assert main(["generate", str(d), "--prompt", "What is 3 plus 5?", "--max-new-tokens", "4"]) == 0
+    for chat in ([], ["--chat"]):
+        assert main(["generate", str(d), "--prompt", "What is 3 plus 5?", *chat, "--max-new-tokens", "4"]) == 0
+        out = capsys.readouterr().out  # (a first import of DeepSpeed may print a line of its own before)
+        assert out.splitlines()[-1] == "" and "What is" not in out and "header" not in out
+    assert main(["generate", str(d), "--prompt", "What is 3 plus 5?", "--raw", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "What is 3 plus 5?"
 
 
