@@ -183,3 +183,19 @@ def test_an_optimizer_schedule_or_loss_that_cannot_run_is_one_error_naming_the_k
         load_config(TINY, overrides)
     assert says in str(e.value) and "\n" not in str(e.value)
     assert load_config(TINY, [*[o for o in overrides if "loss_type" not in o], *fixed])
+
+
+def test_a_sequence_parallel_stage_divides_its_batch_over_its_data_parallel_world():
+    """2 processes sharing each sequence (sequence_parallel 2) are one data-parallel rank: a preference batch of 2
+    in micro-batches of 2 serves DPO, GRPO and RLOO (sequence parallel), and is refused for PPO, which divides it
+    over both processes; pretraining and SFT likewise."""
+    sp = ["distributed.sequence_parallel=2", "preference.global_batch_size=2", "preference.micro_batch_size=2"]
+    for algorithm in ("dpo", "grpo", "rloo"):
+        load_config(TINY, [*sp, f"preference.algorithm={algorithm}", f"preference.{algorithm}.num_generations=2"]
+                    if algorithm != "dpo" else [*sp, "preference.algorithm=dpo"])
+    with pytest.raises(ConfigError, match=r"preference.global_batch_size=2 is not divisible by "
+                                        r"micro_batch_size\*world_size = 2\*2"):
+        load_config(TINY, [*sp, "preference.algorithm=[dpo,ppo]"])
+    load_config(TINY, ["distributed.sequence_parallel=2", "sft.global_batch_size=2", "sft.micro_batch_size=2"])
+    with pytest.raises(ConfigError, match=r"sft.global_batch_size=2 is not divisible"):
+        load_config(TINY, ["sft.global_batch_size=2", "sft.micro_batch_size=2"])

@@ -61,12 +61,16 @@ class PipelineConfig(Section):
     def _combinations(self):
         world, sp = self.distributed.world_size, self.distributed.sequence_parallel
         for name in TRAINED_SECTIONS:
-            s, dp = getattr(self, name), world // (sp if name in ULYSSES_SPLITS else 1)
-            per_step = s.micro_batch_size * dp
-            if s.enabled and s.global_batch_size % per_step:
-                raise ValueError(f"{name}.global_batch_size={s.global_batch_size} is not divisible by "
-                                 f"micro_batch_size*{'world_size' if dp == world else 'data-parallel world'} = "
-                                 f"{s.micro_batch_size}*{dp}")
+            s = getattr(self, name)
+            # each stage that trains from the section divides its batch over its own data-parallel world: the world,
+            # over sequence_parallel where the stage shares its sequences (the registry's data_parallel)
+            stages = [d for d in STAGES.values() if d.section == name
+                      and (name != "preference" or d.name in self.preference.algorithms())]
+            for dp in sorted({world // (sp if d.sequence_parallel else 1) for d in stages}):
+                if s.enabled and s.global_batch_size % (s.micro_batch_size * dp):
+                    raise ValueError(f"{name}.global_batch_size={s.global_batch_size} is not divisible by "
+                                     f"micro_batch_size*{'world_size' if dp == world else 'data-parallel world'} = "
+                                     f"{s.micro_batch_size}*{dp}")
         # What Ulysses cannot take: a length it does not divide, a mask it would drop (it attends over the whole
         # gathered sequence without one), heads it cannot share out, eager attention's whole 4D mask.
         for name, (length_key, mask_key) in ULYSSES_SPLITS.items():
@@ -117,7 +121,7 @@ class PipelineConfig(Section):
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "
                                  "update over all processes")
-            rows = pc.global_batch_size // (world // (sp if "preference" in ULYSSES_SPLITS else 1))
+            rows = pc.global_batch_size // (world // (sp if STAGES[algo].sequence_parallel else 1))
             if getattr(oc, "dynamic_sampling", False) and rows % oc.num_generations:
                 raise ValueError(f"preference.{algo}.dynamic_sampling replaces whole groups on each process, but a "
                                  f"process's {rows} rows a step (preference.global_batch_size over the data-parallel "
