@@ -26,8 +26,9 @@ FAST = [
     "eval.items=24", "eval.batch_size=8", "reward.policy_samples=48",
 ]
 for _s in ("sft", "reward", "preference"):
-    FAST += [f"{_s}.max_steps=20", f"{_s}.save_every=5", f"{_s}.eval_every=10", f"{_s}.log_every=1",
+    FAST += [f"{_s}.max_steps=20", f"{_s}.save_every=5", f"{_s}.log_every=1",
              f"{_s}.micro_batch_size=4", f"{_s}.global_batch_size=8", f"{_s}.warmup_steps=2", f"{_s}.keep_last=3"]
+FAST += ["sft.eval_every=10", "reward.eval_every=10"]
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ from tests.helpers import FAST
 
 # The session chain's settings (its stages reused from its store), one process and a few steps for what a bench adds.
 CHAINED = [*SMALL, *FAST, "distributed.nproc_per_node=1", "preference.algorithm=dpo", "preference.max_steps=3",
-           "preference.save_every=100", "preference.eval_every=3"]
+           "preference.save_every=100"]
 BROWSER = Path("/usr/bin/chromedriver").exists() and shutil.which("chromium") is not None
 
 

@@ -15,8 +15,8 @@ from tests.helpers import config, logged, run_stage, tokenize_from
 pytestmark = pytest.mark.slow
 STEPS = ["pretrain.max_steps=12", "pretrain.eval_every=12", "pretrain.save_every=100", "eval.items=8",
          "reward.policy_samples=0", "preference.ppo.max_new_tokens=6", "preference.algorithm=ppo"]
-STEPS += [f"{s}.{k}" for s in ("sft", "reward", "preference") for k in ("max_steps=4", "eval_every=4",
-                                                                         "save_every=100")]
+STEPS += [f"{s}.{k}" for s in ("sft", "reward", "preference") for k in ("max_steps=4", "save_every=100")]
+STEPS += ["sft.eval_every=4", "reward.eval_every=4"]
 
 
 def test_moe_runs_the_pipeline(tokenized, tmp_path):

@@ -32,7 +32,6 @@ class TrainSection(Section):
     weight_decay: float = Setting(0.1, ge=0, description="AdamW weight decay.")
     grad_clip: float = Setting(1.0, ge=0, description="Gradient norm clip (0 disables).")
     log_every: int = Setting(10, ge=1, same_result=True, description="Steps between log lines.")
-    eval_every: int = Setting(100, ge=1, same_result=True, description="Steps between evaluations.")
     save_every: int = Setting(100, ge=1, same_result=True, description="Steps between step checkpoints.")
     keep_last: int = Setting(2, ge=1, same_result=True, description="Step checkpoints kept.")
     lora: LoraSection = Setting(default_factory=LoraSection, description="LoRA/QLoRA adapters (r=0: full weights).")
@@ -45,6 +44,8 @@ class TrainSection(Section):
 
 
 class PretrainSection(TrainSection):
+    eval_every: int = Setting(100, ge=1, same_result=True, description="Steps between evaluations of the held-out "
+                              "loss (the stage's own; the preference stages' and distill's are their eval- steps).")
     seq_len: int = Setting(96, ge=8, description="Training sequence length in tokens.")
     eval_batches: int = Setting(8, ge=1, same_result=True, description="Val batches per evaluation.")
     document_mask: bool = Setting(False, description="Inside a window, attention and positions restart after each "
@@ -54,6 +55,8 @@ class PretrainSection(TrainSection):
 
 
 class SFTSection(TrainSection):
+    eval_every: int = Setting(100, ge=1, same_result=True, description="Steps between evaluations of the held-out "
+                              "loss (the stage's own; the preference stages' and distill's are their eval- steps).")
     lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
     max_length: int = Setting(96, ge=8, description="Maximum tokens per conversation.")
     assistant_only_loss: bool = Setting(True, description="Loss on assistant tokens only (else the full sequence).")
@@ -65,6 +68,8 @@ class SFTSection(TrainSection):
 
 
 class RewardSection(TrainSection):
+    eval_every: int = Setting(100, ge=1, same_result=True, description="Steps between evaluations of the held-out "
+                              "loss (the stage's own; the preference stages' and distill's are their eval- steps).")
     pretrained: str | None = Setting(None, description="Start the reward model from this model (hub name or local "
                                      "directory; a causal LM gets a new head) instead of the SFT output.")
     lr: float = Setting(5e-4, gt=0, description="Peak learning rate (AdamW).")
