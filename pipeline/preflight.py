@@ -257,9 +257,11 @@ def check_rollouts_apart(cfg: PipelineConfig, steps: list[str]) -> None:
             raise ConfigError(f"preference.rollout.mode=async for {algo} with distributed.sequence_parallel="
                               f"{cfg.distributed.sequence_parallel}: a sequence-parallel group shares one rank's "
                               "rollouts, which the workers' batches a process do not follow; set one of them off")
-    if cfg.preference.lora.r:
-        raise ConfigError(f"preference.rollout.mode={rc.mode} with preference.lora.r={cfg.preference.lora.r}: the "
-                          "rollout workers take whole weights by name, not adapters; set preference.rollout.mode=sync")
+    for section in dict.fromkeys(STAGES[algo].section for algo in online):  # each trains its own section's lora
+        if getattr(cfg, section).lora.r:
+            raise ConfigError(f"preference.rollout.mode={rc.mode} with {section}.lora.r={getattr(cfg, section).lora.r}:"
+                              " the rollout workers take whole weights by name, not adapters; set "
+                              "preference.rollout.mode=sync")
     world = min(data_parallel(cfg.distributed, algo) for algo in online)
     if rc.workers > world:
         raise ConfigError(f"preference.rollout.workers={rc.workers} is more than the layout allows: each worker "

@@ -1,7 +1,7 @@
 """An MCP server for the tests, written with mcp's own server (`MCPServer`): `add`, `fail` (raises), `count` (its
-state: calls so far in this process), `pid`, `echo`, `wait` (sleeps, and returns when it started and ended); over stdio, or
-streamable HTTP on 127.0.0.1 with `--http PORT`; with `--no-tools`, a server that lists none; with `--only NAME`,
-one that lists that one alone."""
+state: calls so far in this process), `pid`, `echo`, `wait` (sleeps, and returns when it started and ended); over
+stdio, or streamable HTTP on 127.0.0.1 with `--http PORT`; with `--no-tools`, a server that lists none; with
+`--only NAME`, one that lists that one alone."""
 
 import os
 import sys

@@ -116,11 +116,11 @@ class Endpoint:
         return f"{self.address}/s/{key}/v1"
 
     @staticmethod
-    def key(url: str) -> str:
+    def session_id(url: str) -> str:
         return url.rstrip("/").split("/")[-2]
 
     def session(self, url: str) -> Session:
-        return self.sessions[self.key(url)]
+        return self.sessions[self.session_id(url)]
 
     def close(self) -> None:
         if self.server is not None:

@@ -213,7 +213,8 @@ def command(uid: int, limits: Limits, argv: list[str], seccomp_fd: int) -> list[
     small as the scratch folder, the scratch tmpfs, a clean environment."""
     disk = str(limits.disk_mb << 20)
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--",
-            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--clearenv",
+            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--clearenv",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev", "--size", disk, "--tmpfs",
             "/dev/shm", "--remount-ro", "/dev", "--size", disk, "--tmpfs", "/scratch", "--remount-ro", "/",

@@ -272,8 +272,8 @@ def test_a_sampler_that_fails_answers_every_request_of_its_batch(tokenizers):  #
     answers: dict = {}
 
     def post(url):
-        request = urllib.request.Request(f"{url}/completions", json.dumps({"prompt": [1, 2]}).encode(),
-                                         {"Content-Type": "application/json", "Authorization": f"Bearer {endpoint.key}"})
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {endpoint.key}"}
+        request = urllib.request.Request(f"{url}/completions", json.dumps({"prompt": [1, 2]}).encode(), headers)
         try:
             urllib.request.urlopen(request, timeout=20)
         except urllib.error.HTTPError as e:
@@ -288,4 +288,3 @@ def test_a_sampler_that_fails_answers_every_request_of_its_batch(tokenizers):  #
     assert {answers[u] for u in urls} == {(500, "the sampler failed: IndexError: index out of range in self")}
     assert raised and not any(endpoint.session(u).open for u in urls)
     endpoint.close()
-        endpoint.close()

@@ -95,7 +95,7 @@ def test_a_sandbox_that_does_not_start_is_an_error_not_a_score_of_0(monkeypatch)
     """As on a host that drops CAP_SETUID: setpriv fails before the program runs. The reward raises, and the python
     tool raises too, rather than handing the model setpriv's message as its program's output."""
     real = sandbox.command
-    monkeypatch.setattr(sandbox, "command", lambda uid, limits, argv: ["/bin/sh", "-c",
+    monkeypatch.setattr(sandbox, "command", lambda uid, limits, argv, seccomp_fd: ["/bin/sh", "-c",
                                                                        "echo 'setpriv: setresuid failed' >&2; exit 1"])
     with pytest.raises(sandbox.SandboxError, match="setresuid failed"):
         score("def f():\n    return 7\n")

@@ -126,7 +126,7 @@ def test_dev_is_read_only_and_the_kernel_refuses_new_namespaces_and_its_attack_s
     making (the sandbox's are made before its seccomp filter loads, and --disable-userns closes nested ones), and
     io_uring, bpf, keyrings, ptrace, mount and widening its own cores refused with EPERM (a plain process here may
     do each)."""
-    assert boxed("open('/dev/x', 'w')").stderr.endswith("OSError: [Errno 30] Read-only file system: '/dev/x'")
+    assert boxed("open('/dev/x', 'w')").stderr.rstrip().endswith("OSError: [Errno 30] Read-only file system: '/dev/x'")
     shm = boxed("open('/dev/shm/x', 'wb').write(b'0' * (64 << 20))", disk_mb=8)
     assert shm.exit_status == 1 and ("File too large" in shm.stderr or "No space" in shm.stderr)
     calls = {  # each a raw system call: (what a plain process gets here, what the sandboxed one must get)

@@ -87,6 +87,9 @@ ONLINE = ["preference.algorithm=ppo"]
      "preference.rollout.mode=async for grpo with distributed.sequence_parallel=2"),
     (["preference.algorithm=rloo", "preference.rollout.engine=tests.pipeline.test_preflight:Engine"],
      "preference.rollout.engine=tests.pipeline.test_preflight:Engine in sync mode for rloo"),
+    (["preference.enabled=false", "distill.enabled=true", "distill.teacher=/tmp/teacher",
+      "preference.rollout.mode=async", "distill.lora.r=8"],
+     "preference.rollout.mode=async with distill.lora.r=8: the rollout workers take whole"),
 ])
 def test_bad_rollout_settings_are_one_error_naming_the_key_before_anything_runs(overrides, says):
     from gptforge.core.errors import UserError
@@ -96,6 +99,16 @@ def test_bad_rollout_settings_are_one_error_naming_the_key_before_anything_runs(
         cfg = load_config(TINY, [*ONLINE, *overrides])
         check_rollouts_apart(cfg, pipeline_steps(cfg))
     assert says in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)
+
+
+def test_the_lora_that_rollout_workers_refuse_is_the_one_its_stage_trains():
+    """Distill trains distill.lora: a LoRA of the preference stage, which is not in the pipeline, is no reason to
+    refuse distill's workers."""
+    from gptforge.pipeline.preflight import check_rollouts_apart
+
+    cfg = load_config(TINY, ["preference.enabled=false", "distill.enabled=true", "distill.teacher=/tmp/teacher",
+                             "preference.rollout.mode=async", "preference.lora.r=8"])
+    check_rollouts_apart(cfg, pipeline_steps(cfg))
 
 
 def test_the_whole_preflight_of_the_default_pipeline_imports_no_torch(tmp_path):

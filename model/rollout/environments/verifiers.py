@@ -77,7 +77,7 @@ class Driver:
         results = running.result()
         episodes = []
         for row, url, result in zip(rows, urls, results, strict=True):
-            session = endpoint.sessions.pop(endpoint.key(url))
+            session = endpoint.sessions.pop(endpoint.session_id(url))
             e = session.episode
             if e is None:
                 raise ConfigError(f"{KEY}: verifiers:{self.spec}'s harness never asked the model for task "
