@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptforge.core import procedural
+from gptforge.data import procedural
 from gptforge.core.errors import DataError
 
 TEXT = (".txt", ".jsonl")

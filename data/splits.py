@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptforge.core import procedural
+from gptforge.data import procedural
 from gptforge.core.config.inputs import SourceSection
 from gptforge.core.errors import DataError
 from gptforge.data import demo

@@ -45,7 +45,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from gptforge.core import procedural
+from gptforge.data import procedural
 from gptforge.core.errors import UserError
 from gptforge.core.extras import require
 

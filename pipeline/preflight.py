@@ -13,6 +13,8 @@ input is one `error:` line and nothing has trained.
   match something; a setting that names a stage (`distill.teacher`) names one of the run; a distill student given
   as a model fits the layout, and its teacher shares its tokenizer;
 - the team's pools, gates and slots are sound;
+- a task library's prompts (`reasoning_gym:<dataset>`): the library installed, the dataset known, its options
+  accepted;
 - every data source of every step the run may compute is there: each local file of `data.*` read (its digest,
   which the stage store needs anyway), so a missing `data.sft` or `data.prompts` fails now, not after tokenize
   and pretrain;
@@ -71,6 +73,7 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     check_distill(cfg)
     if team:
         check_team(cfg, steps)
+    check_sources(cfg)
     check_rewards(cfg, selected, log)
     fingerprints(cfg, selected)  # every step's data and its upstream's, digested: a missing file names itself
     check_rollout(cfg, selected)
@@ -184,6 +187,16 @@ def check_curate(cfg: PipelineConfig) -> None:
         if which != "pretrain" and kind_of(getattr(cfg.data, which).path) == "demo":
             raise ConfigError(f"curate.sources: data.{which} is the demo, whose templated rows are near copies by "
                               f"design and whose held-out answers its rewards verify; curate a file or hub dataset")
+
+
+def check_sources(cfg: PipelineConfig) -> None:
+    """A task library's prompts (data.prompts, data.eval: reasoning_gym:<dataset>): the library installed, the
+    dataset known and its options accepted."""
+    from gptforge.data import procedural
+
+    for key, source in (("data.prompts", cfg.data.prompts), ("data.eval", cfg.data.eval)):
+        if procedural.is_procedural(source.path):
+            procedural.check(source, key)
 
 
 def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], None]) -> None:

@@ -234,15 +234,20 @@ def test_reasoning_gym_items_held_out_from_their_own_seed_and_scored_by_their_da
 
 
 def test_reasoning_gym_mistakes_are_one_line_naming_the_key(monkeypatch):
+    """The schema reads the dataset's name alone (a head node without the extra loads the config); the preflight asks
+    the library."""
+    from gptforge.pipeline.preflight import check_sources
+
     with pytest.raises(UserError, match=r"data.prompts: reasoning-gym has no dataset 'basic_arithmetc'; did you mean "
                                         r"basic_arithmetic"):
-        load_config(TINY, ["data.prompts=reasoning_gym:basic_arithmetc"])
-    with pytest.raises(UserError, match=r"data.prompts.options: reasoning-gym's basic_arithmetic refuses"):
-        load_config(TINY, ["data.prompts={path: reasoning_gym:basic_arithmetic, options: {bogus: 1}}"])
+        check_sources(load_config(TINY, ["data.prompts=reasoning_gym:basic_arithmetc"]))
+    with pytest.raises(UserError, match=r"data.eval.options: reasoning-gym's basic_arithmetic refuses"):
+        check_sources(load_config(TINY, ["data.eval={path: reasoning_gym:basic_arithmetic, options: {bogus: 1}}"]))
     with pytest.raises(UserError, match=r"preference.rewards\[0\] \(reasoning_gym\) scores reasoning-gym's items, "
                                         r"but data.prompts is None"):
         load_config(TINY, ["preference.rewards=[{name: reasoning_gym}]", "preference.algorithm=grpo"])
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # not installed
+    cfg = load_config(TINY, ["data.prompts=reasoning_gym:gcd"])
     with pytest.raises(UserError, match=r"data.prompts: reasoning_gym:gcd needs reasoning-gym, which is not installed "
                                         r".*pip install 'gptforge\[environments\]'"):
-        load_config(TINY, ["data.prompts=reasoning_gym:gcd"])
+        check_sources(cfg)

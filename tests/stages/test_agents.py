@@ -204,7 +204,7 @@ def test_an_openenv_environment_trains_ppo_and_grpo(algorithm, chain, tmp_path, 
 def test_grpo_on_a_reasoning_gym_dataset_is_scored_by_the_datasets_own_check(chain, tmp_path):
     """data.prompts: reasoning_gym:<dataset> and the reward {name: reasoning_gym} through GRPO and its evaluation:
     the held-out items are the dataset's, and their accuracy is the dataset's score_answer of the answers written."""
-    from gptforge.core import procedural
+    from gptforge.data import procedural
 
     cfg, path = prepared(chain, tmp_path / "run", "preference.algorithm=grpo", "distributed.zero_stage=2",
                          "preference.grpo.ptx_coef=0", "preference.max_steps=2", "preference.log_every=1",

@@ -22,15 +22,15 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from gptforge.core.config.base import (ALGORITHMS, ONLINE_ALGORITHMS, Algorithm, Section, Setting,  # noqa: F401
                                        result_fields, size_in_bytes)
-from gptforge.core.config.inputs import (DataSection, DemoSection, EvalSourceSection,  # noqa: F401
-                                         PromptSourceSection, RunSection, SourceSection, TokenizerSection)
+from gptforge.core.config.inputs import (VERIFIERS, DataSection, DemoSection, EvalSourceSection,  # noqa: F401
+                                         PromptSourceSection, RunSection, SourceSection, TokenizerSection,
+                                         is_procedural)
 from gptforge.core.config.model_layout import (ATTENTION, DistributedSection, LoraSection,  # noqa: F401
                                                ModelSection, RopeSection)
 from gptforge.core.config.training import (CURATE_FILTERS, REWARD_BUILT_IN, CurateSection,  # noqa: F401
                                            DistillSection, DPOSection, EvalSection, GRPOSection, OnlineSection,
                                            PPOSection, PreferenceSection, PretrainSection, RewardSection, RewardSpec,
                                            RLOOSection, SFTSection, TrainSection)
-from gptforge.core import procedural
 from gptforge.core.declarations import STAGES, TRAINED_SECTIONS, ULYSSES_SPLITS
 from gptforge.core.errors import ConfigError
 
@@ -138,12 +138,12 @@ class PipelineConfig(Section):
             raise ValueError(f"preference.rewards[{i}] ({name}) compares responses with reference answers, but the "
                              f"prompts are data.preference's ({self.data.preference.path!r}), which have none: set "
                              "data.prompts to rows with answers ({prompt, answer}, or GSM8K's question/answer)")
-        harnessed = (pc.environment or "").startswith(procedural.TASKS)
+        harnessed = (pc.environment or "").startswith(VERIFIERS)
         if online and harnessed and self.data.prompts.path != pc.environment:
             raise ValueError(f"preference.environment {pc.environment} runs its own taskset's tasks: set data.prompts "
                              f"to {pc.environment} too (now {self.data.prompts.path!r})")
         graded = [i for i, r in enumerate(pc.rewards) if r.url is None and r.name == "reasoning_gym"]
-        if online and graded and not procedural.is_procedural(self.data.prompts.path):
+        if online and graded and not is_procedural(self.data.prompts.path):
             raise ValueError(f"preference.rewards[{graded[0]}] (reasoning_gym) scores reasoning-gym's items, but "
                              f"data.prompts is {self.data.prompts.path!r}: set it to reasoning_gym:<dataset>")
         if self.reward.enabled and self.reward.policy_samples and self.data.preference.path != "demo":

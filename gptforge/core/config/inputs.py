@@ -67,6 +67,19 @@ class SourceSection(Section):
         return {"path": data} if isinstance(data, str) else data
 
 
+REASONING_GYM = "reasoning_gym:"  # a source of prompts that a task library generates: reasoning_gym:<dataset>
+VERIFIERS = "verifiers:"  # a verifiers environment's taskset: verifiers:<id> (also an environment's prefix)
+
+
+def is_procedural(path: str | None) -> bool:
+    """A reasoning-gym dataset (the schema reads the name only: the library is the preflight's to ask)."""
+    return path is not None and path.startswith(REASONING_GYM)
+
+
+def is_taskset(path: str | None) -> bool:
+    return path is not None and path.startswith(VERIFIERS)
+
+
 class TaskSourceSection(SourceSection):
     """A source of prompts, which may be a procedural task library's dataset (`reasoning_gym:<dataset>`, generated
     from `seed`: `size` items to train on and `held_out_size` held out, drawn from another seed)."""
@@ -77,14 +90,6 @@ class TaskSourceSection(SourceSection):
     seed: int = Setting(0, description="reasoning_gym: the seed of the items (the held-out items' is derived from it).")
     options: dict = Setting({}, description="reasoning_gym: the dataset's configuration (its config class's fields, "
                             "e.g. {min_terms: 2, max_terms: 2}).")
-
-    @model_validator(mode="after")
-    def _known_library(self):
-        from gptforge.core import procedural
-
-        if procedural.is_procedural(self.path):
-            procedural.check(self, "data.prompts" if isinstance(self, PromptSourceSection) else "data.eval")
-        return self
 
 
 class EvalSourceSection(TaskSourceSection):

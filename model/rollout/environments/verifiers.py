@@ -17,7 +17,7 @@ import atexit
 import os
 
 from gptforge.core.errors import ConfigError, UserError
-from gptforge.core.procedural import load_verifiers
+from gptforge.data.procedural import load_verifiers
 from gptforge.model.rollout.concurrency import event_loop
 from gptforge.model.rollout.endpoint import Endpoint
 

@@ -17,14 +17,12 @@ from collections.abc import Iterator
 from gptforge.core.errors import ConfigError
 from gptforge.core.extras import require
 
-PREFIX = "reasoning_gym:"
+from gptforge.core.config.inputs import REASONING_GYM as PREFIX
+from gptforge.core.config.inputs import VERIFIERS as TASKS
+from gptforge.core.config.inputs import is_procedural, is_taskset  # noqa: F401 (this room's names for them)
+
 COLUMN = "reasoning_gym"  # the rows' column the reward reads
-TASKS = "verifiers:"
 TASK = "verifiers_task"  # the rows' column naming the task the driver runs
-
-
-def is_procedural(path: str | None) -> bool:
-    return path is not None and path.startswith(PREFIX)
 
 
 def dataset_name(source) -> str:
@@ -32,7 +30,8 @@ def dataset_name(source) -> str:
 
 
 def check(source, key: str) -> None:
-    """The library installed, the dataset known and its options accepted: else one ConfigError naming `key`."""
+    """The library installed, the dataset known and its options accepted: else one ConfigError naming `key` (the
+    preflight's: the schema reads the name alone)."""
     rg = require("reasoning_gym", f"{key}: {source.path}")
     from reasoning_gym.factory import DATASETS
 
@@ -96,10 +95,6 @@ def score(responses: list[str], entries: list[str | None]) -> list[float]:
 
 
 # --- verifiers' tasksets ---
-
-
-def is_taskset(path: str | None) -> bool:
-    return path is not None and path.startswith(TASKS)
 
 
 def load_verifiers(spec: str, key: str):
