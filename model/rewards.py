@@ -223,7 +223,7 @@ def build(pc, tokenizer=None) -> list[Reward]:
             from gptforge.model.rollout.concurrency import Concurrent
 
             sandbox.require(key)
-            check = judge.unit_tests(sandbox.limits_of(pc.sandbox), Concurrent(pc.tool_concurrency))
+            check = judge.unit_tests(pc.sandbox, Concurrent(pc.tool_concurrency))
             out.append(Reward("unit_tests", spec.weight, key, check))
         elif spec.name == "reasoning_gym":
             require("reasoning_gym", key)

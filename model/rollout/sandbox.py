@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gptforge.core.config.training import SandboxSection as Limits  # the limits, declared once (preference.sandbox)
 from gptforge.core.errors import ConfigError
 
 PYTHON = "/usr/bin/python3"  # the host's Python, under the read-only /usr
@@ -75,22 +76,6 @@ def pool_uids() -> range:
 
 
 UIDS = pool_uids()
-
-
-@dataclass(frozen=True)
-class Limits:
-    wall_s: float = 10.0
-    cpu_s: int = 10
-    memory_mb: int = 512
-    processes: int = 32
-    open_files: int = 64
-    output_bytes: int = 16_384
-    disk_mb: int = 16
-
-    def check(self, key: str) -> None:
-        for name, value in vars(self).items():
-            if not value > 0:
-                raise ConfigError(f"{key}.{name}: {value} is not positive")
 
 
 @dataclass
@@ -378,11 +363,6 @@ def alive(uid: int) -> list[tuple[int, bool]]:
                 continue
             out.append((int(p), state not in ("Z", "X")))
     return out
-
-
-def limits_of(section) -> Limits:
-    """The Limits of a `preference.sandbox` section."""
-    return Limits(**section.model_dump())
 
 
 def python_tool(limits: Limits):

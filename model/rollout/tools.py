@@ -64,9 +64,7 @@ def built_in(spec: str, sandbox: dict | None) -> Callable | None:
     from gptforge.model.rollout import sandbox as room
 
     room.require(f"preference.tools: {spec}")
-    limits = room.Limits(**(sandbox or {}))
-    limits.check("preference.sandbox")
-    return room.python_tool(limits)
+    return room.python_tool(room.Limits(**(sandbox or {})))
 
 
 @dataclass

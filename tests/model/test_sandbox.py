@@ -3,6 +3,7 @@ would: each leak is shown on a naive runner (`subprocess.run` with a timeout) wh
 the sandbox; the bombs and floods end in the sandbox's limits, the stage's process untouched, and nothing of a call
 outlives it. Then the `python` tool and the `unit_tests` reward on it, and the mistakes a user can make."""
 
+import fcntl
 import os
 import socket
 import subprocess
@@ -84,7 +85,7 @@ def test_bombs_loops_and_floods_end_in_the_limits():
     assert disk.exit_status == 1 and ("File too large" in disk.stderr or "No space" in disk.stderr)
 
 
-def test_its_process_and_open_file_limits_pid_namespace_and_uid_are_its_own():
+def test_its_process_and_open_file_limits_pid_namespace_and_uid_are_its_own(monkeypatch):
     """Each limit the docs promise, counted from inside: forks until the kernel refuses (RLIMIT_NPROC of its uid),
     files opened until it refuses (RLIMIT_NOFILE); its PID namespace shows it only its own processes and not this
     test's; and it runs, seen from the host, as one of the sandbox's uids, not as this process's."""
@@ -109,16 +110,18 @@ def test_its_process_and_open_file_limits_pid_namespace_and_uid_are_its_own():
     assert pid == "2" and pids == "[1, 2]" and reached == "none", seen  # bwrap's init and itself, and nothing else
     assert naive(f"import os\nos.kill({here}, 0)\nprint('reached')").stdout.strip() == "reached"
     ran: dict = {}
+    leased = leases(monkeypatch)
     thread = threading.Thread(target=lambda: ran.update(r=boxed("import time\nprint('up', flush=True)\n"
                                                                 "time.sleep(3)")))
     thread.start()
     deadline = time.monotonic() + 10
-    uids: set[int] = set()
-    while not uids and time.monotonic() < deadline:
-        uids = {uid for uid in sandbox.UIDS if [pid for pid, running in alive(uid) if running]}
+    running: list = []
+    while not running and time.monotonic() < deadline:  # (other processes of the suite may hold other uids)
+        running = [pid for uid in leased for pid, up in alive(uid) if up]
         time.sleep(0.05)
     thread.join()
-    assert len(uids) == 1 and os.getuid() not in uids and ran["r"].stdout.strip() == "up"  # a sandbox uid ran it
+    assert running and leased[0] in sandbox.UIDS and os.getuid() != leased[0]  # a sandbox uid ran it
+    assert ran["r"].stdout.strip() == "up"
 
 
 def test_dev_is_read_only_and_the_kernel_refuses_new_namespaces_and_its_attack_surfaces():
@@ -172,15 +175,32 @@ def test_two_processes_calling_at_once_and_many_calls_back_to_back():
     assert scores == [1.0] * 200
 
 
-def test_nothing_of_a_call_outlives_it():
+def leases(monkeypatch) -> list[int]:
+    """The uids this process's calls lease from now on (other processes of the suite lease others at once)."""
+    leased: list[int] = []
+    lease = sandbox.lease_uid
+
+    def recorded():
+        uid, fd = lease()
+        leased.append(uid)
+        return uid, fd
+
+    monkeypatch.setattr(sandbox, "lease_uid", recorded)
+    return leased
+
+
+def test_nothing_of_a_call_outlives_it(monkeypatch):
+    leased = leases(monkeypatch)
     started = boxed("import subprocess\nsubprocess.Popen(['/usr/bin/python3', '-c', 'import time; time.sleep(60)'])\n"
                     "print('started')")
     assert (started.exit_status, started.stdout.strip()) == (0, "started")
-    for uid in sandbox.UIDS:  # the background process is gone, and no zombie of the call is left to hold its uid
-        assert not alive(uid), uid
-    uid, lease = sandbox.lease_uid()  # its uid back in the pool: the first one is free again
-    os.close(lease)
-    assert uid == sandbox.UIDS.start
+    (uid,) = leased
+    assert not alive(uid)  # the background process is gone, and no zombie of the call is left to hold its uid
+    fd = os.open(sandbox.LEASES / str(uid), os.O_RDWR)  # its lease given back: free for the next call
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
 
 
 def test_the_python_tool_and_the_unit_tests_reward():
