@@ -35,13 +35,18 @@ class GuessTaskset(vf.Taskset[GuessTask, vf.TasksetConfig]):
                                       prompt=f"Guess my number ({i}), from 1 to 9."), self.config.task)
 
 
-class GuessHarness(vf.Harness[vf.HarnessConfig]):
-    """A chat loop in the process: every model call to the endpoint it is given, a `hint` tool answered."""
+class ToolLoop(vf.Harness[vf.HarnessConfig]):
+    """A chat loop in the process: up to three model calls to the endpoint it is given, offering `OFFERS`, each tool
+    call answered by `answer` (tests/bench/test_agentic.py's `add` harness is one too)."""
 
     APPENDS_SYSTEM_PROMPT = True
     SUPPORTS_RESUME = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
+    OFFERS: list = []  # the tools' schemas
+
+    def answer(self, name: str, arguments) -> str:
+        raise NotImplementedError
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
         system, prompt = self.resolve_prompt(data)
@@ -53,15 +58,27 @@ class GuessHarness(vf.Harness[vf.HarnessConfig]):
         client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
         try:
             for _ in range(3):
-                out = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS or None)
+                out = await client.chat.completions.create(model=ctx.model, messages=messages,
+                                                           tools=self.OFFERS or None)
                 message = out.choices[0].message
                 if not message.tool_calls:
                     break
                 messages.append(message.model_dump(exclude_none=True))
-                messages += [{"role": "tool", "tool_call_id": c.id, "content": "odd"} for c in message.tool_calls]
+                messages += [{"role": "tool", "tool_call_id": c.id,
+                              "content": self.answer(c.function.name, c.function.arguments)}
+                             for c in message.tool_calls]
         finally:
             await client.close()
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+class GuessHarness(ToolLoop):
+    """The `hint` tool offered, and every hint "odd"."""
+
+    OFFERS = TOOLS
+
+    def answer(self, name: str, arguments) -> str:
+        return "odd"
 
 
 class GuessConfig(vf.EnvConfig):

@@ -214,9 +214,8 @@ import json
 import re
 
 import verifiers.v1 as vf
-from openai import AsyncOpenAI
-from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import SubprocessConfig
+from verifiers_game import ToolLoop  # (copied beside it: the tests' verifiers environment)
 
 __all__ = ["AddTaskset", "AddHarness", "AddEnv"]
 PAIRS = [(10 + 7 * i % 89, 11 + 13 * i % 87) for i in range(40)]
@@ -253,32 +252,11 @@ class AddTaskset(vf.Taskset[AddTask, vf.TasksetConfig]):
                           self.config.task)
 
 
-class AddHarness(vf.Harness[vf.HarnessConfig]):
-    APPENDS_SYSTEM_PROMPT = True
-    SUPPORTS_RESUME = True
-    EXECUTES_CODE = False
-    NEEDS_CONTAINER = False
+class AddHarness(ToolLoop):
+    OFFERS = [ADD]
 
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
-        system, prompt = self.resolve_prompt(data)
-        messages = [{"role": "system", "content": system}] if system else []
-        if isinstance(prompt, str):
-            messages.append({"role": "user", "content": prompt})
-        else:
-            messages += [message_to_wire(m) for m in prompt or []]
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
-        try:
-            for _ in range(3):
-                out = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[ADD])
-                message = out.choices[0].message
-                if not message.tool_calls:
-                    break
-                messages.append(message.model_dump(exclude_none=True))
-                messages += [{"role": "tool", "tool_call_id": c.id, "content": total(c.function.arguments)}
-                             for c in message.tool_calls]
-        finally:
-            await client.close()
-        return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+    def answer(self, name, arguments) -> str:
+        return total(arguments)
 
 
 class AddConfig(vf.EnvConfig):
@@ -301,10 +279,14 @@ def test_a_verifiers_environment_whose_harness_offers_a_tool_trains_grpo_in_a_ro
     tool, which the bench's SFT model calls; the harness answers the call, the environment (as the user) answers a
     wrong sum with "wrong", and its rubric's exact match is the reward. (The session chain's model, whose 128
     positions hold no tool schema, plays a guessing game without tools: tests/stages/test_agents.py.)"""
+    import shutil
+
     from gptforge.core.config import dump_config, load_config
+    from tests import verifiers_game
 
     root, _ = agentic
     (root / "verifiers_adder.py").write_text(ADDER)
+    shutil.copy(verifiers_game.__file__, root / "verifiers_game.py")  # its harness's chat loop
     monkeypatch.chdir(root)  # the user's module, in the working folder
     cfg = load_config(str(root / "seed0.yaml"), [
         "preference.tools=[]", "preference.environment=verifiers:verifiers_adder",
