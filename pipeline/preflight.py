@@ -2,7 +2,6 @@
 run`, the pipeline flow (a run started from the UI or a schedule) and `gptforge deploy` call it, so that a bad
 input is one `error:` line and nothing has trained.
 
-- the layout each stage takes (gptforge.core.registry): what a sequence-parallel online stage cannot share;
 - the host each stage starts on: one that loads its base through bitsandbytes (`<stage>.lora.quantize`) needs a
   GPU there, and DeepSpeed's runner over a hostfile of several hosts needs pdsh there; a stage sent to a work pool
   is checked by its worker, so a CPU head node validates a GPU config;
@@ -60,7 +59,6 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     if key in CHECKED:  # `gptforge run` checks before its server starts, and its flow at once asks again (as
         CHECKED.discard(key)  # for a run from the UI): that second ask is answered; any later run checks anew
         return
-    check_layout(cfg, steps)
     check_devices(cfg, selected)
     if cfg.eval.harness_tasks:
         check_tasks(cfg.eval)
@@ -79,21 +77,6 @@ def preflight(cfg: PipelineConfig, selected: list[str] | None = None, log: Calla
     check_rollout(cfg, selected)
     check_rollouts_apart(cfg, selected)
     CHECKED.add(key)
-
-
-def check_layout(cfg: PipelineConfig, steps: list[str]) -> None:
-    """What an online stage that takes sequence parallelism cannot share over its sequence-parallel groups."""
-    pc, sp = cfg.preference, cfg.distributed.sequence_parallel
-    for algo in (s for s in steps if STAGES[s].reads == "prompts" and STAGES[s].sequence_parallel and sp > 1):
-        oc, groups = getattr(pc, algo), data_parallel(cfg.distributed, algo)
-        if oc.ptx_coef:
-            raise ConfigError(f"preference.{algo}.ptx_coef with distributed.sequence_parallel={sp}: the ptx rows are "
-                              "each rank's own, which a sequence-parallel group cannot share; set one of them off")
-        if pc.global_batch_size // groups % oc.num_generations:
-            raise ConfigError(f"preference.{algo}.num_generations={oc.num_generations} with distributed."
-                              f"sequence_parallel={sp}: a group's rollouts a step (preference.global_batch_size over "
-                              f"the {groups} data-parallel groups = {pc.global_batch_size // groups}) must hold whole "
-                              "prompt groups")
 
 
 def check_named_stages(cfg: PipelineConfig, steps: list[str]) -> None:

@@ -189,3 +189,10 @@ TRAINED_SECTIONS = tuple(dict.fromkeys(s.section for s in _TRAINED if s.section)
 ULYSSES_SPLITS = {s.section: (s.length, s.ulysses_mask) for s in _TRAINED if s.ulysses_mask}
 DENSE_MASKS = {s.section: s.dense_mask for s in _TRAINED if s.dense_mask}
 EVALUATED = tuple(s.evaluates for s in STAGES.values() if s.evaluates)
+
+
+def data_parallel(dist, step: str) -> int:
+    """The data-parallel world of a step (`dist`: the distributed section): the world, over
+    distributed.sequence_parallel where the step takes it (the schema's batch rules and the stages both divide by
+    it)."""
+    return dist.world_size // (dist.sequence_parallel if STAGES[step].sequence_parallel else 1)

@@ -4,13 +4,8 @@ name rather than from an upstream stage's output."""
 
 from __future__ import annotations
 
-from gptforge.core.config import DistributedSection, PipelineConfig, tokenizer_source
-from gptforge.core.declarations import NAMEABLE, STAGE_OR_MODEL, STAGES
-
-
-def data_parallel(dist: DistributedSection, step: str) -> int:
-    """The data-parallel world of a step: the world, over distributed.sequence_parallel where the step takes it."""
-    return dist.world_size // (dist.sequence_parallel if STAGES[step].sequence_parallel else 1)
+from gptforge.core.config import PipelineConfig, tokenizer_source
+from gptforge.core.declarations import NAMEABLE, STAGE_OR_MODEL, STAGES, data_parallel  # noqa: F401
 
 
 def pipeline_stages(cfg: PipelineConfig) -> list[str]:

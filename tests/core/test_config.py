@@ -172,7 +172,8 @@ def test_sequence_parallelism_that_cannot_run_is_one_error_naming_the_key(overri
     (["preference.rloo.loss_type=cispo"], "preference.rloo.loss_type", ["preference.grpo.loss_type=cispo"]),
     (["preference.grpo.loss_type=ppo"], "preference.grpo.loss_type", ["preference.grpo.loss_type=dr_grpo"]),
     (["preference.algorithm=rloo", "preference.rloo.dynamic_sampling=true", "preference.rloo.num_generations=64"],
-     "preference.rloo.dynamic_sampling replaces whole groups on each process, but a process's 32 rows a step",
+     "preference.rloo.num_generations=64: a data-parallel rank's 32 rows a step (preference.global_batch_size over "
+     "the 2 data-parallel ranks) must hold whole prompt groups, as dynamic sampling replaces whole groups",
      ["preference.rloo.num_generations=32"]),
 ])
 def test_an_optimizer_schedule_or_loss_that_cannot_run_is_one_error_naming_the_key(overrides, says, fixed):
@@ -185,14 +186,37 @@ def test_an_optimizer_schedule_or_loss_that_cannot_run_is_one_error_naming_the_k
     assert load_config(TINY, [*[o for o in overrides if "loss_type" not in o], *fixed])
 
 
+@pytest.mark.parametrize("overrides, says, fixed", [
+    (["distributed.sequence_parallel=2", "preference.algorithm=grpo"],
+     "preference.grpo.ptx_coef with distributed.sequence_parallel=2", "preference.grpo.ptx_coef=0"),
+    (["distributed.nproc_per_node=4", "distributed.sequence_parallel=2", "preference.algorithm=rloo",
+      "preference.rloo.ptx_coef=0", "preference.global_batch_size=12", "preference.micro_batch_size=1",
+      "preference.rloo.num_generations=4",
+      *[f"{s}.{k}" for s in ("pretrain", "sft", "reward") for k in ("global_batch_size=8", "micro_batch_size=1")]],
+     "preference.rloo.num_generations=4: a data-parallel rank's 6 rows a step (preference.global_batch_size over the "
+     "2 data-parallel ranks) must hold whole prompt groups, as a sequence-parallel group of 2 samples once",
+     "preference.rloo.num_generations=3"),
+])
+def test_an_online_stage_that_cannot_share_its_sequences_is_one_error_naming_the_key(overrides, says, fixed):
+    """The whole-groups rule, one for sequence-parallel groups and dynamic sampling, over the registry's
+    data-parallel world; the ptx rows a sequence-parallel group cannot share. PPO takes no sequence parallelism,
+    so its ptx rows are its own."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert says in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)
+    load_config(TINY, [*overrides, fixed])
+    load_config(TINY, ["distributed.sequence_parallel=2", "preference.algorithm=ppo"])
+
+
 def test_a_sequence_parallel_stage_divides_its_batch_over_its_data_parallel_world():
     """2 processes sharing each sequence (sequence_parallel 2) are one data-parallel rank: a preference batch of 2
     in micro-batches of 2 serves DPO, GRPO and RLOO (sequence parallel), and is refused for PPO, which divides it
     over both processes; pretraining and SFT likewise."""
     sp = ["distributed.sequence_parallel=2", "preference.global_batch_size=2", "preference.micro_batch_size=2"]
     for algorithm in ("dpo", "grpo", "rloo"):
-        load_config(TINY, [*sp, f"preference.algorithm={algorithm}", f"preference.{algorithm}.num_generations=2"]
-                    if algorithm != "dpo" else [*sp, "preference.algorithm=dpo"])
+        load_config(TINY, [*sp, f"preference.algorithm={algorithm}", f"preference.{algorithm}.num_generations=2",
+                           f"preference.{algorithm}.ptx_coef=0"] if algorithm != "dpo" else
+                    [*sp, "preference.algorithm=dpo"])
     with pytest.raises(ConfigError, match=r"preference.global_batch_size=2 is not divisible by "
                                         r"micro_batch_size\*world_size = 2\*2"):
         load_config(TINY, [*sp, "preference.algorithm=[dpo,ppo]"])

@@ -31,7 +31,7 @@ from gptforge.core.config.training import (CURATE_FILTERS, REWARD_BUILT_IN, Cura
                                            DistillSection, DPOSection, EvalSection, GRPOSection, OnlineSection,
                                            PPOSection, PreferenceSection, PretrainSection, RewardSection, RewardSpec,
                                            RLOOSection, SFTSection, TrainSection)
-from gptforge.core.declarations import STAGES, TRAINED_SECTIONS, ULYSSES_SPLITS
+from gptforge.core.declarations import STAGES, TRAINED_SECTIONS, ULYSSES_SPLITS, data_parallel
 from gptforge.core.errors import ConfigError
 
 
@@ -66,7 +66,7 @@ class PipelineConfig(Section):
             # over sequence_parallel where the stage shares its sequences (the registry's data_parallel)
             stages = [d for d in STAGES.values() if d.section == name
                       and (name != "preference" or d.name in self.preference.algorithms())]
-            for dp in sorted({world // (sp if d.sequence_parallel else 1) for d in stages}):
+            for dp in sorted({data_parallel(self.distributed, d.name) for d in stages}):
                 if s.enabled and s.global_batch_size % (s.micro_batch_size * dp):
                     raise ValueError(f"{name}.global_batch_size={s.global_batch_size} is not divisible by "
                                      f"micro_batch_size*{'world_size' if dp == world else 'data-parallel world'} = "
@@ -121,11 +121,20 @@ class PipelineConfig(Section):
                 raise ValueError(f"preference.{algo}.ptx_batch_size={oc.ptx_batch_size} is not divisible by "
                                  f"global_batch_size/micro_batch_size = {micro_steps}, the micro-batches of one "
                                  "update over all processes")
-            rows = pc.global_batch_size // (world // (sp if STAGES[algo].sequence_parallel else 1))
-            if getattr(oc, "dynamic_sampling", False) and rows % oc.num_generations:
-                raise ValueError(f"preference.{algo}.dynamic_sampling replaces whole groups on each process, but a "
-                                 f"process's {rows} rows a step (preference.global_batch_size over the data-parallel "
-                                 f"world) do not hold whole groups of num_generations={oc.num_generations}")
+            # a data-parallel rank's rollouts a step hold whole prompt groups where it samples for a
+            # sequence-parallel group (its first rank's) or replaces groups (dynamic sampling): one rule
+            dp, shared = data_parallel(self.distributed, algo), sp > 1 and STAGES[algo].sequence_parallel
+            if shared and oc.ptx_coef:
+                raise ValueError(f"preference.{algo}.ptx_coef with distributed.sequence_parallel={sp}: the ptx rows "
+                                 "are each rank's own, which a sequence-parallel group cannot share; set one of them "
+                                 "off")
+            whole = ("dynamic sampling replaces whole groups" if getattr(oc, "dynamic_sampling", False) else
+                     f"a sequence-parallel group of {sp} samples once" if shared else None)
+            rows = pc.global_batch_size // dp
+            if whole and rows % oc.num_generations:
+                raise ValueError(f"preference.{algo}.num_generations={oc.num_generations}: a data-parallel rank's "
+                                 f"{rows} rows a step (preference.global_batch_size over the {dp} data-parallel "
+                                 f"ranks) must hold whole prompt groups, as {whole}")
         led = [a for a in pc.algorithms() if STAGES[a].trainer] if pc.enabled and pc.optimizer == "muon" else []
         if led:
             raise ValueError(f"preference.optimizer=muon: {led[0]} trains through TRL's {STAGES[led[0]].trainer} "
