@@ -100,3 +100,14 @@ def test_docs_config_md_is_gptforge_configs_output(capsys):
     assert reference("preference.ppo") in reference() and "`ppo_epochs`" in reference("preference.ppo")
     with pytest.raises(ConfigError, match="no config section 'preferense'; did you mean preference"):
         reference("preferense")
+
+
+def test_no_doc_or_comment_names_a_plan_step():
+    """"[7/7]'s" means something to the round that wrote it and nothing to a user: the docs and the code say what
+    a thing is, or that it needs a GPU, never which issue it was."""
+    step = re.compile(r"\[\d/\d\]")
+    code = [p for room in ("gptforge", "data", "model", "pipeline", "stages", "bench", "tests", "configs")
+            for p in (ROOT / room).rglob("*") if p.suffix in (".py", ".yaml", ".sh") and ".venv" not in p.parts]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in [*DOCS, *code] if p.is_file()
+             for n, line in enumerate(p.read_text().splitlines(), 1) if step.search(line) and p != Path(__file__)]
+    assert not found, found
