@@ -111,3 +111,29 @@ def test_no_doc_or_comment_names_a_plan_step():
     found = [f"{p.relative_to(ROOT)}:{n}" for p in [*DOCS, *code] if p.is_file()
              for n, line in enumerate(p.read_text().splitlines(), 1) if step.search(line) and p != Path(__file__)]
     assert not found, found
+
+
+def schema_keys(model=PipelineConfig, prefix: str = "") -> list[str]:
+    """Every key of the schema, nested sections' too (`preference.ppo.gamma`)."""
+    out = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        for sub in section_models(field.annotation):
+            out += schema_keys(sub, f"{prefix}{name}.")
+    return out
+
+
+def test_every_config_key_is_explained_in_the_doc_of_its_topic():
+    """Not only in the generated reference: each key, or its last parts (`gamma` of `preference.ppo.gamma`, as a
+    section's doc names it), in backticks or a YAML example of README.md or a topic's doc."""
+    prose = "\n".join(p.read_text() for p in DOCS if p.name != "config.md" and p.parent.name != "tests")
+    named = set()
+    for m in re.finditer(r"`([^`\n]+)`", prose):
+        for word in re.findall(r"[A-Za-z_][\w.]*", m.group(1)):
+            parts = word.split(".")
+            named.update(".".join(parts[i:]) for i in range(len(parts)))
+    for block in re.findall(r"```ya?ml\n(.*?)```", prose, re.S):
+        named.update(re.findall(r"^\s*([A-Za-z_]\w*):", block, re.M))
+    missing = [k for k in schema_keys() if not any(".".join(k.split(".")[i:]) in named
+                                                   for i in range(k.count(".") + 1))]
+    assert not missing, missing
