@@ -9,19 +9,21 @@ What a program run here gets (`run`):
   with the call, and nothing else writable (its root is read-only);
 - no inherited environment variables (PATH, HOME, TMPDIR and LANG only: no HF_TOKEN, no credentials);
 - its own PID namespace, user namespace and session, as a uid of its own (one of a pool, leased host-wide: one a
-  call, across every process and run on the host, clear of the host's users and /etc/subuid ranges), so that it
-  sees and signals no other process and its process limit is its own;
+  call, across every process and run on the host, clear of the host's users and /etc/subuid ranges), so that it sees
+  and signals no other process and its process limit is its own;
 - limits: wall time (`wall_s`, then everything in it is killed), CPU time (RLIMIT_CPU), address space (RLIMIT_AS,
-  `memory_mb`), processes (RLIMIT_NPROC for its uid), open files (RLIMIT_NOFILE), the size of any file it writes
-  (RLIMIT_FSIZE) and of the scratch file system, and of what it prints (`output_bytes`: past it, it is killed and
-  the output cut);
+  `memory_mb`), processes (RLIMIT_NPROC for its uid), and where the host lets this process make cgroups, one a call
+  (`cgroups_of`: the memory and number of all its processes together, its cores, one process's CPU weight), open
+  files (RLIMIT_NOFILE), the size of any file it writes (RLIMIT_FSIZE) and of the scratch file system, and of what
+  it prints (`output_bytes`: past it, it is killed and the output cut);
 - nothing of it outlives the call: killing the namespace's first process (through a pidfd: only the process this
   call started, never one that took its pid) ends every process in it; this process is a child subreaper, so what
   the call leaves is reaped here, and a uid goes back to the pool only once no task of it, zombie included, exists.
 
 What it does not guarantee: it is not a virtual machine. The kernel is the host's, so a kernel exploit escapes it;
-CPU time is limited per process, not shared fairly with training (the rollout workers' pinned cores bound that:
-gptforge.model.rollout.concurrency); side channels (timing, /proc/cpuinfo-like facts through /usr) are not closed.
+CPU time is limited per process (and memory too where no cgroup can be made), not shared fairly with training (the
+rollout workers' pinned cores bound that: gptforge.model.rollout.concurrency); side channels (timing,
+/proc/cpuinfo-like facts through /usr) are not closed.
 """
 
 from __future__ import annotations
@@ -212,10 +214,13 @@ def run(argv: list[str], stdin: str = "", limits: Limits = Limits()) -> Result:
     """`argv` (e.g. [PYTHON, "-c", code]) in the sandbox, `stdin` its input; its output, status and why it ended."""
     become_subreaper()
     uid, lease = lease_uid()
+    groups: list[Path] = []
     try:
-        return _run(uid, argv, stdin, limits)
+        groups = cgroups_of(uid, limits)
+        return _run(uid, argv, stdin, limits, groups)
     finally:
         settle(uid)
+        release(groups)
         os.close(lease)  # the lock goes with it
 
 
@@ -249,8 +254,100 @@ def lease_uid() -> tuple[int, int]:
     raise RuntimeError(f"all of the sandbox's {POOL} uids ({UIDS.start}-{UIDS.stop - 1}) are in use on this host")
 
 
-def _run(uid: int, argv: list[str], stdin: str, limits: Limits) -> Result:
+# --- the call's cgroup: its memory, processes and cores shared by every process of it ---------------------------
+
+CGROUPS = Path("/sys/fs/cgroup")
+GROUP = "gptforge-sandbox"  # the folder of the calls' cgroups, one a uid of the pool, under each hierarchy
+V1 = ("memory", "pids", "cpuset", "cpu")  # the cgroup v1 controllers a call takes, where the host mounts each apart
+_hierarchies: list[Path] | None = None  # where this host lets the calls have cgroups: the parents ([] for none)
+_layout = threading.Lock()
+
+
+def hierarchies() -> list[Path]:
+    """The parent folders of the calls' cgroups: one a controller of V1 (cgroup v1), or one (cgroup v2, its
+    controllers enabled below it); [] where the host lets this process make none (not root, a read-only
+    /sys/fs/cgroup, a v2 root with processes of its own): then the limits are each process's alone (rlimits)."""
+    global _hierarchies
+    with _layout:
+        if _hierarchies is None:
+            _hierarchies = _make_parents()
+        return _hierarchies
+
+
+def _make_parents() -> list[Path]:
+    try:
+        if all((CGROUPS / c / "tasks").exists() for c in V1):  # v1: a hierarchy a controller
+            parents = []
+            for c in V1:
+                parent = CGROUPS / c / GROUP
+                parent.mkdir(exist_ok=True)
+                if c == "cpuset":  # a v1 cpuset starts empty: its cores and memory nodes are its parent's
+                    for f in ("cpuset.cpus", "cpuset.mems"):
+                        (parent / f).write_text((CGROUPS / c / f).read_text())
+                parents.append(parent)
+            return parents
+        if {"memory", "pids", "cpu", "cpuset"} <= set((CGROUPS / "cgroup.controllers").read_text().split()):
+            parent = CGROUPS / GROUP
+            parent.mkdir(exist_ok=True)
+            for folder in (CGROUPS, parent):
+                (folder / "cgroup.subtree_control").write_text("+memory +pids +cpu +cpuset")
+            return [parent]
+    except OSError:
+        pass
+    return []
+
+
+def cgroups_of(uid: int, limits: Limits) -> list[Path]:
+    """The call's cgroups (made, or emptied ones of an earlier call of its uid, their limits set anew): the memory
+    of all its processes (`memory_mb`, no swap), their number (`processes`), this process's cores and one
+    process's CPU weight, however many it forks."""
+    memory, cores = str(limits.memory_mb << 20), ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    limit = {"memory.limit_in_bytes": memory, "memory.memsw.limit_in_bytes": memory, "memory.max": memory,
+             "memory.swap.max": "0", "pids.max": str(limits.processes), "cpuset.cpus": cores, "cpu.shares": "1024",
+             "cpu.weight": "100"}
+    out = []
+    try:
+        for parent in hierarchies():
+            group = parent / str(uid)
+            group.mkdir(exist_ok=True)
+            if (group / "cpuset.mems").exists() and (parent / "cpuset.mems").exists():
+                (group / "cpuset.mems").write_text((parent / "cpuset.mems").read_text())
+            for name, value in limit.items():
+                if (group / name).exists():
+                    (group / name).write_text(value)
+            out.append(group)
+    except OSError as e:
+        raise SandboxError(f"the sandbox's cgroup {group} cannot be set up: {e}") from None
+    return out
+
+
+def oom_killed(groups: list[Path]) -> bool:
+    """Whether the kernel killed a process of the call for its memory (its cgroup's oom_kill count)."""
+    for group in groups:
+        for name in ("memory.oom_control", "memory.events"):
+            try:
+                counts = dict(line.split() for line in (group / name).read_text().splitlines())
+            except (OSError, ValueError):
+                continue
+            if int(counts.get("oom_kill", 0)):
+                return True
+    return False
+
+
+def release(groups: list[Path]) -> None:
+    """Remove the call's cgroups once no task is in them (settle has waited for that); one that is not empty yet
+    stays, and the uid's next call sets it anew."""
+    for group in groups:
+        try:
+            group.rmdir()
+        except OSError:
+            pass
+
+
+def _run(uid: int, argv: list[str], stdin: str, limits: Limits, groups: list[Path]) -> Result:
     def limited():  # in the child, before setpriv drops to the uid: inherited by bwrap and the program
+        for group in groups:  # (still root here: the cgroups take it, and every process it starts)
+            (group / "cgroup.procs").write_text(str(os.getpid()))
         memory = limits.memory_mb << 20
         for what, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, memory),
                             (resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_NOFILE, limits.open_files),
@@ -268,9 +365,12 @@ def _run(uid: int, argv: list[str], stdin: str, limits: Limits) -> Result:
         rules.close()
     process.pidfd = os.pidfd_open(process.pid)  # before anything can reap it: a kill reaches this process or none
     try:
-        return _watch(process, stdin, limits)
+        result = _watch(process, stdin, limits)
     finally:
         os.close(process.pidfd)
+    if result.reason == "SIGKILL" and oom_killed(groups):  # the program itself killed by the kernel for memory
+        result.reason = "memory"
+    return result
 
 
 def _watch(process: subprocess.Popen, stdin: str, limits: Limits) -> Result:

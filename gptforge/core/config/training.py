@@ -241,8 +241,10 @@ class SandboxSection(Section):
 
     wall_s: float = Setting(10.0, gt=0, description="Seconds a run may take, then everything in it is killed.")
     cpu_s: int = Setting(10, gt=0, description="CPU seconds a process of it may use (RLIMIT_CPU).")
-    memory_mb: int = Setting(512, gt=0, description="Address space of a process of it, MiB (RLIMIT_AS).")
-    processes: int = Setting(32, gt=0, description="Processes it may run at once (RLIMIT_NPROC of its own uid).")
+    memory_mb: int = Setting(512, gt=0, description="Address space of a process of it, MiB (RLIMIT_AS), and the "
+                             "memory of all its processes together where the host lets it have a cgroup.")
+    processes: int = Setting(32, gt=0, description="Processes it may run at once (RLIMIT_NPROC of its own uid, and "
+                             "its cgroup's pids.max).")
     open_files: int = Setting(64, gt=0, description="Files a process of it may hold open (RLIMIT_NOFILE).")
     output_bytes: int = Setting(16384, gt=0, description="Bytes of stdout (and of stderr) kept; past it the run is "
                                 "killed and the output cut.")
