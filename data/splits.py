@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gptforge.data import procedural
 from gptforge.core.config.inputs import SourceSection
+from gptforge.core.declarations import STAGES
 from gptforge.core.errors import DataError
 from gptforge.data import demo
 from gptforge.data.formats import Normalised, normalise, to_eval_item, to_messages, to_pair, to_prompt_item
@@ -155,7 +156,7 @@ def eval_set(data_cfg, after: str) -> EvalSet:
 
 def eval_fingerprint(data_cfg, step: str, digest_cache: Path | None = None) -> str:
     """Fingerprint of the rows `eval_set` returns for evaluation step `step` (eval-sft, eval-dpo, ...)."""
-    key, source = eval_source(data_cfg, step.removeprefix("eval-"))
+    key, source = eval_source(data_cfg, STAGES[step].evaluates)
     if kind_of(source.path) == "demo":
         content = json.dumps(demo.part_settings("eval", data_cfg.demo), sort_keys=True)
     else:  # which rows a stage holds out follows from the content (every VAL_EVERY-th row, or its held_out file)

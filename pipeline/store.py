@@ -64,7 +64,7 @@ def pipeline_steps(cfg: PipelineConfig) -> list[str]:
 def stage_config(cfg: PipelineConfig, step: str) -> dict:
     """The config that defines a step's output (what its fingerprint hashes): the fields of the sections its
     declaration names (gptforge.core.registry.Stage.sections) that can change a result, and the seed."""
-    if step.startswith("eval-"):
+    if STAGES[step].evaluates:
         return eval_config(cfg, step)
     declared = STAGES[step].sections
     out = {}
@@ -88,7 +88,7 @@ def stage_config(cfg: PipelineConfig, step: str) -> dict:
 def eval_config(cfg: PipelineConfig, step: str) -> dict:
     """An evaluation step's: the eval fields it reads (the harness settings only where this stage runs the
     harness, pass@k after a preference stage), the seed, and the rewards that score a policy's answers."""
-    harness = step.removeprefix("eval-") in cfg.eval.harness_stages and cfg.eval.harness_tasks
+    harness = STAGES[step].evaluates in cfg.eval.harness_stages and cfg.eval.harness_tasks
     rewarded = STAGES[step].rewarded  # the rewards score a policy's held-out answers, with pass@k over eval.samples
     fields = {k: v for k, v in result_fields(cfg.eval, leave_out=("harness_stages",) + (
         () if rewarded else ("samples",))).items() if harness or not k.startswith("harness_")}
@@ -110,15 +110,14 @@ def _hash(obj) -> str:
 
 
 def upstream(cfg: PipelineConfig, step: str) -> tuple[str, ...]:
-    """The steps whose outputs `step` reads. A pipeline that starts from model.pretrained without pretraining it
-    has no tokenize or pretrain step (sft, and eval-sft for its base, read that model itself); a stage reads the
-    curate stage's output only where curate.enabled and curate.sources holds its data (gptforge.data.splits.curated);
-    with
-    preference.reward_model, or no reward model among preference.rewards, there is no reward stage; a reward
-    model started from reward.pretrained reads SFT's output only to sample it (reward.policy_samples)."""
-    drop = set() if cfg.pretrain.enabled else {"pretrain"}
-    drop |= set() if cfg.curate.enabled and STAGES[step].data in cfg.curate.sources else {"curate"}
-    drop |= set() if cfg.trains_reward_model() else {"reward"}
+    """The steps whose outputs `step` reads: its declaration's inputs, less those the config leaves out of the
+    pipeline for it (each input's `read_by`: a pipeline that starts from model.pretrained without pretraining it
+    has no pretrain step; curate is read only where curate.enabled and curate.sources holds the reader's data; with
+    preference.reward_model, or no reward model among preference.rewards, there is no reward stage) and those it
+    leaves unread (`unused_inputs`: a reward model started from reward.pretrained reads SFT's output only to sample
+    it)."""
+    reader = STAGES[step]
+    drop = {u for u in reader.inputs if STAGES[u].read_by is not None and not STAGES[u].read_by(cfg, reader)}
     drop |= {u for u, unread in STAGES[step].unused_inputs.items() if unread(cfg)}
     return tuple(u for u in STAGES[step].inputs if u not in drop)
 
@@ -150,7 +149,7 @@ def fingerprints(cfg: PipelineConfig, steps: list[str] | None = None) -> dict[st
         for s in lineage(cfg, step):
             if s not in out:
                 sources = [data_fingerprint(cfg, d) for d in data_of(cfg, s)]
-                data = eval_fingerprint(cfg.data, s, digest_cache(cfg)) if s.startswith("eval-") else (
+                data = eval_fingerprint(cfg.data, s, digest_cache(cfg)) if STAGES[s].evaluates else (
                     "|".join(sources) if sources else None)
                 identity = {"stage": s, "store_version": STORE_VERSION, "code_version": STAGES[s].code_version,
                             "config": stage_config(cfg, s), "inputs": {up: out[up] for up in upstream(cfg, s)},

@@ -27,7 +27,9 @@ class Stage:
 
     What it reads and writes:
     - `inputs`: the steps whose outputs it reads (before gptforge.pipeline.store.upstream drops those a config
-      leaves out); `unused_inputs`: {input: cfg -> whether this config leaves that input unread};
+      leaves out); `unused_inputs`: {input: cfg -> whether this config leaves that input unread}; `read_by`:
+      (cfg, reading stage's declaration) -> whether a stage that lists this one among its inputs reads it (None:
+      always), for a stage that a config can leave out of the pipeline;
     - `sections`: the config sections whose fields can change its result (`section` or `section.sub`; a section
       listed with its sub-sections counts without them); `seeded`: whether run.seed can, too. The store hashes
       them into its fingerprint (gptforge.pipeline.store.stage_config);
@@ -91,6 +93,7 @@ class Stage:
     named: tuple[str, ...] = ()
     data_sources: Callable[[Any], tuple[str, ...]] | None = None
     switch: Callable[[Any], bool] | None = None
+    read_by: Callable[[Any, Any], bool] | None = None
     compared_with: dict[str, str] = field(default_factory=lambda: {"sft": "sft"})
 
     @property
@@ -120,22 +123,24 @@ EVAL_OUTPUTS = {"answers": "answers.jsonl", "harness": "harness"}
 _TRAINED = [
     # tokenize 2: streamed in units, shards format 2 (index with counts and max id); 3: its chat template renders
     # tools (Hermes). Its own Ray workers, no GPU.
-    # curate: only where curate.enabled, and an input only of the stages whose data it curates (curate.sources:
-    # gptforge.pipeline.store.upstream)
+    # curate: only where curate.enabled, and an input only of the stages whose data it curates (curate.sources)
     Stage("curate", "curate", sections=("curate", "eval.harness_tasks", "eval.harness_include"), seeded=False,
           data="pretrain", data_sources=_curated,
+          read_by=lambda cfg, reader: cfg.curate.enabled and reader.data in cfg.curate.sources,
           outputs={"documents": "documents", "sft": "sft", "preference": "preference", "removed": "removed",
                    "funnel": "funnel.json", "decontamination": "decontamination.json"}, launcher="single"),
     Stage("tokenize", "tokenize", ("curate",), ("tokenizer",), seeded=False, data="pretrain",
           outputs={"tokenizer": "tokenizer", "shards": "shards"}, launcher="single", code_version=3, gpus=False,
           named=("tokenizer",)),
     Stage("pretrain", "pretrain", ("tokenize",), ("model", "pretrain"), sequence_parallel=True, section="pretrain",
-          length="seq_len", dense_mask="document_mask", ulysses_mask="document_mask", named=("model",)),
+          length="seq_len", dense_mask="document_mask", ulysses_mask="document_mask", named=("model",),
+          read_by=lambda cfg, reader: cfg.pretrain.enabled),  # a run from model.pretrained may not pretrain
     Stage("sft", "sft", ("curate", "pretrain"), ("sft",), data="sft", sequence_parallel=True, section="sft",
           ulysses_mask="packing", named=("base",)),
     # a reward model started from reward.pretrained reads SFT's output only to sample it (reward.policy_samples)
     Stage("reward", "reward", ("curate", "sft"), ("reward",), data="preference", section="reward", reads="pairs",
           loss_units=PAIRWISE, named=("reward.pretrained",),
+          read_by=lambda cfg, reader: cfg.trains_reward_model(),  # none with a ready reward model, or no reward model
           unused_inputs={"sft": lambda cfg: bool(cfg.reward.pretrained) and not cfg.reward.policy_samples}),
     Stage("dpo", "dpo", ("curate", "sft"), ("preference", "preference.dpo"), data="preference",  # no reward model
           launcher="accelerate", sequence_parallel=True, section="preference", reads="pairs", trainer="DPO",

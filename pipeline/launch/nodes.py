@@ -42,7 +42,7 @@ SLURM_NODE = "__SLURM_NODEID__"  # replaced by $SLURM_NODEID in the srun command
 def single_process(cfg: PipelineConfig, step: str) -> bool:
     """Tokenizing (its own Ray workers) runs as one process, without a launcher; so does evaluation unless it
     runs on every process (`eval.processes`)."""
-    return STAGES[step].launcher == "single" and not (step.startswith("eval-") and evaluation_on_every_rank(cfg))
+    return STAGES[step].launcher == "single" and not (STAGES[step].evaluates and evaluation_on_every_rank(cfg))
 
 
 def evaluation_on_every_rank(cfg: PipelineConfig) -> bool:

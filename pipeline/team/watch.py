@@ -19,6 +19,7 @@ from gptforge.core.config import PipelineConfig, load_config
 from gptforge.data.splits import eval_fingerprint, source_fingerprint
 from gptforge.model import pretrained
 from gptforge.pipeline.store import data_of, digest_cache, pipeline_steps
+from gptforge.core.declarations import STAGES
 from gptforge.core.registry import named_models
 from gptforge.core.files import CONFIGS
 
@@ -41,7 +42,7 @@ def watched(cfg: PipelineConfig) -> dict[str, str]:
     for step in pipeline_steps(cfg):
         for name in data_of(cfg, step):
             out[f"data.{name}"] = source_fingerprint(cfg.data, name, cache)
-        if step.startswith("eval-"):
+        if STAGES[step].evaluates:
             out[f"{step} data"] = eval_fingerprint(cfg.data, step, cache)
         for key, (name, revision) in named_models(cfg, step).items():
             out[key] = pretrained.fingerprint(name, revision, cache, key)
