@@ -17,12 +17,21 @@ from collections.abc import Iterator
 from gptforge.core.errors import ConfigError
 from gptforge.core.extras import require
 
-from gptforge.core.config.inputs import REASONING_GYM as PREFIX
-from gptforge.core.config.inputs import VERIFIERS as TASKS
-from gptforge.core.config.inputs import is_procedural, is_taskset  # noqa: F401 (this room's names for them)
+from gptforge.core.declarations import ADAPTERS
 
+GYM, VERIFIERS = ADAPTERS["reasoning_gym"], ADAPTERS["verifiers"]  # the adapters whose prompt sources are here
+PREFIX, TASKS = GYM.prefix, VERIFIERS.prefix
 COLUMN = "reasoning_gym"  # the rows' column the reward reads
 TASK = "verifiers_task"  # the rows' column naming the task the driver runs
+
+
+def is_procedural(path: str | None) -> bool:
+    """A reasoning-gym dataset (the schema reads the name only: the library is the preflight's to ask)."""
+    return path is not None and path.startswith(PREFIX)
+
+
+def is_taskset(path: str | None) -> bool:
+    return path is not None and path.startswith(TASKS)
 
 
 def dataset_name(source) -> str:
@@ -32,7 +41,7 @@ def dataset_name(source) -> str:
 def check(source, key: str) -> None:
     """The library installed, the dataset known and its options accepted: else one ConfigError naming `key` (the
     preflight's: the schema reads the name alone)."""
-    rg = require("reasoning_gym", f"{key}: {source.path}")
+    rg = require(GYM.extra, f"{key}: {source.path}")
     from reasoning_gym.factory import DATASETS
 
     name = dataset_name(source)
@@ -100,7 +109,7 @@ def score(responses: list[str], entries: list[str | None]) -> list[float]:
 def load_verifiers(spec: str, key: str):
     """The verifiers environment of id `spec` (a module of the working folder or an installed package exporting its
     Taskset, Harness or Env, as verifiers resolves ids); one ConfigError naming `key` where it does not load."""
-    require("verifiers", f"{key}: verifiers:{spec}")
+    require(VERIFIERS.extra, f"{key}: {TASKS}{spec}")
     import os
     import sys
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from gptforge.data import procedural
+from gptforge.core.declarations import REWARDS, reward_kind
 from gptforge.core.errors import UserError
 from gptforge.core.extras import require
 
-REWARD_MODEL = "reward_model"  # the built-in names: gptforge.core.config.REWARD_BUILT_IN
 
 
 @dataclass
@@ -61,11 +61,7 @@ class Reward:
     key: str  # preference.rewards[i], for errors
     fn: Callable | None = None  # None: the reward model, which the stage scores
     passes: bool = True  # whether pass@k means anything for it (a 0/1 check or the user's own), not for length
-
-    @property
-    def needs_answers(self) -> bool:
-        """Whether it compares responses with reference answers."""
-        return self.fn in (exact_match, math_equal)
+    needs_answers: bool = False  # whether it compares responses with reference answers
 
     def __call__(self, prompts: list, responses: list[str], answers: list, columns: dict | None = None) -> list[float]:
         values = self.fn(prompts, responses, answers, **(columns or {}))
@@ -93,9 +89,6 @@ def checked(values, n: int, what: str) -> list[float]:
 def verify(responses: list[str], answers: list[str]) -> list[float]:
     """The demo's verifier: 1 for a response that is exactly its known answer (whitespace-trimmed), else 0."""
     return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
-
-
-ENVIRONMENT = "environment"  # the environment's own get_reward() of each episode (gptforge.model.rollout)
 
 
 def reasoning_gym(prompts, responses, answers, **columns) -> list[float]:
@@ -201,6 +194,35 @@ class RemoteReward:
 # --- composing ------------------------------------------------------------------------------------------------
 
 
+def _unit_tests(pc, key, tokenizer):
+    from gptforge.model.rollout import judge, sandbox
+    from gptforge.model.rollout.concurrency import Concurrent
+
+    sandbox.require(key)
+    return judge.unit_tests(pc.sandbox, Concurrent(pc.tool_concurrency))
+
+
+def _reasoning_gym(pc, key, tokenizer):
+    require(procedural.GYM.extra, key)
+    return reasoning_gym
+
+
+# Each built-in reward's scorer, registered by its name (its facts: gptforge.core.declarations.REWARDS): (the
+# preference section, its entry's key, the tokenizer) -> fn(prompts, responses, answers, **columns); the reward
+# model's is None (the stage scores it with the model it loads).
+SCORERS: dict[str, Callable] = {
+    "reward_model": lambda pc, key, tokenizer: None,
+    "exact_match": lambda pc, key, tokenizer: exact_match,
+    "math_equal": lambda pc, key, tokenizer: math_equal,
+    "format": lambda pc, key, tokenizer: format_match(pc.format_pattern),
+    "length": lambda pc, key, tokenizer: length_penalty(tokenizer, pc.length_target),
+    "environment": lambda pc, key, tokenizer: environment_reward,
+    "reasoning_gym": _reasoning_gym,
+    "unit_tests": _unit_tests,
+}
+assert SCORERS.keys() == REWARDS.keys(), "every declared reward has its scorer, and no other"
+
+
 def build(pc, tokenizer=None) -> list[Reward]:
     """The rewards of the preference section `pc` (its `rewards` list), each ready to call but the reward model's.
     Import errors and missing settings are one error line naming the entry."""
@@ -210,28 +232,9 @@ def build(pc, tokenizer=None) -> list[Reward]:
         if spec.url:
             out.append(Reward(spec.label(), spec.weight, key,
                               RemoteReward(spec.url, spec.timeout_s, spec.retries, key)))
-        elif spec.name == REWARD_MODEL:
-            out.append(Reward(REWARD_MODEL, spec.weight, key, None, passes=False))
-        elif spec.name == "exact_match":
-            out.append(Reward("exact_match", spec.weight, key, exact_match))
-        elif spec.name == "math_equal":
-            out.append(Reward("math_equal", spec.weight, key, math_equal))
-        elif spec.name == "format":
-            out.append(Reward("format", spec.weight, key, format_match(pc.format_pattern)))
-        elif spec.name == "unit_tests":
-            from gptforge.model.rollout import judge, sandbox
-            from gptforge.model.rollout.concurrency import Concurrent
-
-            sandbox.require(key)
-            check = judge.unit_tests(pc.sandbox, Concurrent(pc.tool_concurrency))
-            out.append(Reward("unit_tests", spec.weight, key, check))
-        elif spec.name == "reasoning_gym":
-            require("reasoning_gym", key)
-            out.append(Reward("reasoning_gym", spec.weight, key, reasoning_gym))
-        elif spec.name == ENVIRONMENT:
-            out.append(Reward(ENVIRONMENT, spec.weight, key, environment_reward))
-        elif spec.name == "length":
-            out.append(Reward("length", spec.weight, key, length_penalty(tokenizer, pc.length_target), passes=False))
+        elif (kind := reward_kind(spec)) is not None:
+            out.append(Reward(kind.name, spec.weight, key, SCORERS[kind.name](pc, key, tokenizer),
+                              passes=kind.passes, needs_answers=kind.answers))
         else:
             out.append(Reward(spec.label(), spec.weight, key, user_function(spec.name, key)))
     return out

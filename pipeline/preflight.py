@@ -37,12 +37,12 @@ from gptforge.core.config import PipelineConfig, dump_config, tokenizer_source
 from gptforge.core.errors import ConfigError
 from gptforge.data.sources import kind_of
 from gptforge.model.eval.harness import check_tasks
-from gptforge.model.rewards import REWARD_MODEL, user_function
+from gptforge.model.rewards import user_function
 from gptforge.model.pretrained import check_models
 from gptforge.pipeline.launch.nodes import deepspeed_runner, launcher_of, read_hostfile, single_process
 from gptforge.pipeline.store import fingerprints, pipeline_steps
 from gptforge.pipeline.team.pools import check_team, pool_of
-from gptforge.core.declarations import STAGE_OR_MODEL, STAGES
+from gptforge.core.declarations import STAGE_OR_MODEL, STAGES, reward_kind
 from gptforge.core.registry import data_parallel, named_stage, pipeline_stages
 
 CHECKED: set[tuple[str, tuple[str, ...], bool]] = set()  # checked, and not asked again since
@@ -193,9 +193,9 @@ def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], No
             if (problem := unreachable(spec.url, min(spec.timeout_s, 5.0))) is not None:
                 log(f"warning: {key}: the reward server {spec.url} does not answer ({problem}); the stage will "
                     f"try it {spec.retries} time(s) when it scores its first batch")
-        elif spec.name and ":" in spec.name and spec.name != REWARD_MODEL:
+        elif (kind := reward_kind(spec)) is None:
             user_function(spec.name, key)
-        elif spec.name == "unit_tests":  # the sandbox runs here, and every row's tests are of the judged form
+        elif kind.sandbox:  # the sandbox runs here, and every row's tests are of the judged form
             from gptforge.core.config import SourceSection
             from gptforge.data.sources import kind_of, read_rows
             from gptforge.model.rollout import judge, sandbox

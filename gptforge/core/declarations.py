@@ -201,3 +201,84 @@ def data_parallel(dist, step: str) -> int:
     distributed.sequence_parallel where the step takes it (the schema's batch rules and the stages both divide by
     it)."""
     return dist.world_size // (dist.sequence_parallel if STAGES[step].sequence_parallel else 1)
+
+
+# --- rewards and environment adapters, each declared once ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A library whose objects gptforge adapts, named in a setting by its prefix (`openenv:...`, `verifiers:...`,
+    `reasoning_gym:...`); gptforge.model.rollout.environments and gptforge.data.procedural implement each.
+
+    - `library`: the library's name, as users know it; `extra`: the module it needs, of an optional extra
+      (gptforge.core.extras);
+    - `environment`: `preference.environment` may name one of it; `url`: that one is a server's client, whose address
+      is `preference.environment_url`; `drives`: its own harness runs whole episodes against the policy's endpoint,
+      on its own taskset (data.prompts names the same);
+    - `prompts`: `data.prompts` (and `data.eval`) may name a source of its prompts."""
+
+    name: str
+    library: str
+    extra: str
+    environment: bool = False
+    url: bool = False
+    drives: bool = False
+    prompts: bool = False
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.name}:"
+
+
+ADAPTERS = {a.name: a for a in (
+    Adapter("openenv", "OpenEnv", "openenv", environment=True, url=True),
+    Adapter("verifiers", "verifiers", "verifiers", environment=True, drives=True, prompts=True),
+    Adapter("reasoning_gym", "reasoning-gym", "reasoning_gym", prompts=True),
+)}
+
+
+def adapter_of(spec: str | None) -> Adapter | None:
+    """The adapter a setting's value names by its prefix (`openenv:pkg.mod:Client`), else None (a user's own)."""
+    name, colon, _ = (spec or "").partition(":")
+    return ADAPTERS.get(name) if colon else None
+
+
+@dataclass(frozen=True)
+class RewardKind:
+    """A built-in reward (`preference.rewards: [{name: ...}]`); gptforge.model.rewards registers its scorer by name.
+
+    - `answers`: it compares responses with reference answers (the prompts must have them);
+    - `scores`: the adapter whose prompt source it scores (its rows' own column), else None;
+    - `episode`: the environment's own reward of each episode (preference.environment must be set);
+    - `model`: the trained reward model (the reward stage trains it; the stage scores it);
+    - `sandbox`: it runs model-written code in the sandbox (the preflight runs a program there, and checks the
+      prompt rows' `tests`);
+    - `pattern`: it needs preference.format_pattern;
+    - `passes`: pass@k means something for it (a 0/1 check), not for a model's score or a penalty."""
+
+    name: str
+    answers: bool = False
+    scores: str | None = None
+    episode: bool = False
+    model: bool = False
+    sandbox: bool = False
+    pattern: bool = False
+    passes: bool = True
+
+
+REWARDS = {r.name: r for r in (
+    RewardKind("reward_model", model=True, passes=False),
+    RewardKind("exact_match", answers=True),
+    RewardKind("math_equal", answers=True),
+    RewardKind("format", pattern=True),
+    RewardKind("length", passes=False),
+    RewardKind("environment", episode=True),
+    RewardKind("reasoning_gym", scores="reasoning_gym"),
+    RewardKind("unit_tests", sandbox=True),
+)}
+
+
+def reward_kind(spec) -> RewardKind | None:
+    """A reward entry's declaration: None for a reward server's or a user's function."""
+    return REWARDS.get(spec.name) if spec.url is None else None

@@ -22,16 +22,16 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from gptforge.core.config.base import (ALGORITHMS, ONLINE_ALGORITHMS, Algorithm, Section, Setting,  # noqa: F401
                                        result_fields, size_in_bytes)
-from gptforge.core.config.inputs import (VERIFIERS, DataSection, DemoSection, EvalSourceSection,  # noqa: F401
-                                         PromptSourceSection, RunSection, SourceSection, TokenizerSection,
-                                         is_procedural)
+from gptforge.core.config.inputs import (DataSection, DemoSection, EvalSourceSection,  # noqa: F401
+                                         PromptSourceSection, RunSection, SourceSection, TokenizerSection)
 from gptforge.core.config.model_layout import (ATTENTION, DistributedSection, LoraSection,  # noqa: F401
                                                ModelSection, RopeSection)
 from gptforge.core.config.training import (CURATE_FILTERS, REWARD_BUILT_IN, CurateSection,  # noqa: F401
                                            DistillSection, DPOSection, EvalSection, GRPOSection, OnlineSection,
                                            PPOSection, PreferenceSection, PretrainSection, RewardSection, RewardSpec,
                                            RLOOSection, SFTSection, TrainSection)
-from gptforge.core.declarations import STAGES, TRAINED_SECTIONS, ULYSSES_SPLITS, data_parallel
+from gptforge.core.declarations import (ADAPTERS, STAGES, TRAINED_SECTIONS, ULYSSES_SPLITS, adapter_of, data_parallel,
+                                        reward_kind)
 from gptforge.core.errors import ConfigError
 
 
@@ -140,21 +140,21 @@ class PipelineConfig(Section):
             raise ValueError(f"preference.optimizer=muon: {led[0]} trains through TRL's {STAGES[led[0]].trainer} "
                              "trainer, which steps its own AdamW; Muon runs in gptforge's own loops (pretrain, sft, "
                              "reward, ppo, distill): set preference.optimizer=adamw")
-        checks = [(i, r.name) for i, r in enumerate(pc.rewards) if r.url is None and r.name in ("exact_match",
-                                                                                               "math_equal")]
+        checks = [(i, r.name) for i, r in enumerate(pc.rewards) if (kind := reward_kind(r)) and kind.answers]
         if online and checks and self.data.prompts.path is None and self.data.preference.path != "demo":
             i, name = checks[0]
             raise ValueError(f"preference.rewards[{i}] ({name}) compares responses with reference answers, but the "
                              f"prompts are data.preference's ({self.data.preference.path!r}), which have none: set "
                              "data.prompts to rows with answers ({prompt, answer}, or GSM8K's question/answer)")
-        harnessed = (pc.environment or "").startswith(VERIFIERS)
+        harnessed = (adapter := adapter_of(pc.environment)) is not None and adapter.drives
         if online and harnessed and self.data.prompts.path != pc.environment:
             raise ValueError(f"preference.environment {pc.environment} runs its own taskset's tasks: set data.prompts "
                              f"to {pc.environment} too (now {self.data.prompts.path!r})")
-        graded = [i for i, r in enumerate(pc.rewards) if r.url is None and r.name == "reasoning_gym"]
-        if online and graded and not is_procedural(self.data.prompts.path):
-            raise ValueError(f"preference.rewards[{graded[0]}] (reasoning_gym) scores reasoning-gym's items, but "
-                             f"data.prompts is {self.data.prompts.path!r}: set it to reasoning_gym:<dataset>")
+        for i, r in enumerate(pc.rewards):  # a reward of an adapter's items scores that adapter's prompts alone
+            source = ADAPTERS.get((kind := reward_kind(r)) and kind.scores)
+            if online and source and adapter_of(self.data.prompts.path) != source:
+                raise ValueError(f"preference.rewards[{i}] ({r.name}) scores {source.library}'s items, but "
+                                 f"data.prompts is {self.data.prompts.path!r}: set it to {source.prefix}<dataset>")
         if self.reward.enabled and self.reward.policy_samples and self.data.preference.path != "demo":
             raise ValueError(f"reward.policy_samples needs data.preference: demo (the verifier knows the demo's "
                              f"answers), not {self.data.preference.path!r}; set it to 0")

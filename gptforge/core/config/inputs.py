@@ -67,19 +67,6 @@ class SourceSection(Section):
         return {"path": data} if isinstance(data, str) else data
 
 
-REASONING_GYM = "reasoning_gym:"  # a source of prompts that a task library generates: reasoning_gym:<dataset>
-VERIFIERS = "verifiers:"  # a verifiers environment's taskset: verifiers:<id> (also an environment's prefix)
-
-
-def is_procedural(path: str | None) -> bool:
-    """A reasoning-gym dataset (the schema reads the name only: the library is the preflight's to ask)."""
-    return path is not None and path.startswith(REASONING_GYM)
-
-
-def is_taskset(path: str | None) -> bool:
-    return path is not None and path.startswith(VERIFIERS)
-
-
 class TaskSourceSection(SourceSection):
     """A source of prompts, which may be a procedural task library's dataset (`reasoning_gym:<dataset>`, generated
     from `seed`: `size` items to train on and `held_out_size` held out, drawn from another seed)."""

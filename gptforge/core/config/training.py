@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import field_validator, model_validator
 
 from gptforge.core.config.base import Algorithm, Section, Setting
-from gptforge.core.declarations import EVALUATED
+from gptforge.core.declarations import EVALUATED, REWARDS, adapter_of, reward_kind
 from gptforge.core.config.model_layout import LoraSection
 
 
@@ -128,8 +128,7 @@ class OnlineSection(SamplingSection):
         return per_update // (world * micro_steps_per_update)
 
 
-REWARD_BUILT_IN = ("reward_model", "exact_match", "math_equal", "format", "length",  # gptforge.model.rewards
-                   "environment", "reasoning_gym", "unit_tests")
+REWARD_BUILT_IN = tuple(REWARDS)  # gptforge.core.declarations: each declared once
 
 
 class RewardSpec(Section):
@@ -303,11 +302,11 @@ class PreferenceSection(TrainSection):
 
     def uses_reward_model(self) -> bool:
         """Whether a reward model is among the rewards (then it also judges the evaluation's win rate)."""
-        return any(r.url is None and r.name == "reward_model" for r in self.rewards)
+        return any((kind := reward_kind(r)) and kind.model for r in self.rewards)
 
     def reward_weight(self) -> float:
         """The reward model's weight in the total (0 where it has none): the scale of PPO's first values."""
-        return sum(r.weight for r in self.rewards if r.url is None and r.name == "reward_model")
+        return sum(r.weight for r in self.rewards if (kind := reward_kind(r)) and kind.model)
 
     @model_validator(mode="after")
     def _rewards(self):
@@ -318,13 +317,15 @@ class PreferenceSection(TrainSection):
         for i, label in enumerate(labels):
             if label in labels[:i]:
                 raise ValueError(f"preference.rewards[{i}]: a second reward logged as {label!r}; give it its own name")
-        if "environment" in [r.name for r in self.rewards if r.url is None] and not self.environment:
-            raise ValueError("preference.rewards names environment but preference.environment is not set; set the "
+        kinds = [k for k in map(reward_kind, self.rewards) if k is not None]
+        if (episode := next((k for k in kinds if k.episode), None)) and not self.environment:
+            raise ValueError(f"preference.rewards names {episode.name} but preference.environment is not set; set the "
                              "factory of the environment whose get_reward() it is")
-        if (self.environment or "").startswith("openenv:") != bool(self.environment_url):
+        served = adapter_of(self.environment)
+        if bool(served and served.url) != bool(self.environment_url):
             raise ValueError("preference.environment_url is the address of an openenv: environment's server: set "
                              "both or neither")
-        if "format" in [r.name for r in self.rewards if r.url is None]:
+        if any(k.pattern for k in kinds):
             if not self.format_pattern:
                 raise ValueError("preference.rewards names format but preference.format_pattern is not set; set the "
                                  "regex a response must match")

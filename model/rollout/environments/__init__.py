@@ -10,34 +10,40 @@ roll out through it unchanged (token-exact, concurrent, sync or async):
   episodes rather than a factory of environments.
 
 Procedural task libraries are sources of prompts instead (`data.prompts: reasoning_gym:<dataset>`,
-gptforge.core.procedural). docs/environments.md shows each with a complete example.
+gptforge.data.procedural). Each adapter's facts are declared once (gptforge.core.declarations.ADAPTERS); its
+implementation is registered here by name. docs/environments.md shows each with a complete example.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
+from gptforge.core.declarations import adapter_of
 from gptforge.model.rewards import user_function
 
 KEY = "preference.environment"
+# Each environment adapter's module here, by its declared name: a `factory(spec, url, timeout_s)` of environments,
+# or, for one whose harness drives whole episodes (`drives`), a `Driver(spec, concurrency, endpoint)`.
+IMPLEMENTED = {"openenv": "gptforge.model.rollout.environments.openenv",
+               "verifiers": "gptforge.model.rollout.environments.verifiers"}
 
 
 def factory(spec: str | None, url: str | None, timeout_s: float) -> Callable | None:
     """The factory of one environment an episode that `spec` names (None: no environment, or a driver's)."""
-    if not spec or spec.startswith("verifiers:"):
+    if not spec:
         return None
-    if spec.startswith("openenv:"):
-        from gptforge.model.rollout.environments import openenv
-
-        return openenv.factory(spec.removeprefix("openenv:"), url, timeout_s)
-    return user_function(spec, KEY)
+    if (adapter := adapter_of(spec)) is None or not adapter.environment:  # a user's own factory
+        return user_function(spec, KEY)
+    if adapter.drives:
+        return None
+    return importlib.import_module(IMPLEMENTED[adapter.name]).factory(spec.removeprefix(adapter.prefix), url, timeout_s)
 
 
 def driver(spec: str | None, concurrency: int, endpoint: tuple[str, int] = ("127.0.0.1", 0)):
     """What runs whole episodes for an environment whose own harness drives them (verifiers'), its endpoint bound to
     `endpoint` (host, port); None for others."""
-    if spec and spec.startswith("verifiers:"):
-        from gptforge.model.rollout.environments.verifiers import Driver
-
-        return Driver(spec.removeprefix("verifiers:"), concurrency, endpoint)
-    return None
+    if (adapter := adapter_of(spec)) is None or not (adapter.environment and adapter.drives):
+        return None
+    return importlib.import_module(IMPLEMENTED[adapter.name]).Driver(spec.removeprefix(adapter.prefix), concurrency,
+                                                                     endpoint)
