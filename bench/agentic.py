@@ -82,7 +82,7 @@ def question(a: int, b: int) -> str:
 
 def call(tool: str, a: int, b: int) -> tuple[dict, str]:
     """The call of the tool that sums a and b, and what the tool returns: add(a, b), or the python tool running
-    print(a+b) in the sandbox (gptforge.model.rollout.sandbox's Result.text)."""
+    print(a+b) in the sandbox (gptforge.model.agents.sandbox's Result.text)."""
     if tool == "python":
         return {"name": "python", "arguments": {"code": f"print({a}+{b})"}}, f"exit status 0\nstdout:\n{a + b}\n"
     return {"name": "add", "arguments": {"a": a, "b": b}}, str(a + b)

@@ -93,8 +93,8 @@ def tokenizer():
 
 def run(tok, factory, batch: int, turns: int, concurrency: int):
     """(seconds, the trajectories) of one batch of episodes through the rollout room."""
-    from gptforge.model.rollout.episode import environment_rewards, rollouts
-    from gptforge.model.rollout.tools import Setup
+    from gptforge.model.agents.episode import environment_rewards, rollouts
+    from gptforge.model.agents.tools import Setup
 
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k%d"}}\n</tool_call>'

@@ -16,7 +16,7 @@ out), their ratio sync / async, the held-out exact match of each policy (mean ±
 and a timeline of seed 0's last steps (`timeline.png` in the root): when the trainer samples, waits and trains,
 and when the worker samples. Both use the whole machine: sync's one training process takes every core, async's
 takes all but one, which its worker takes (gptforge.model.train.distributed's `reserve`). GRPO's async run draws
-its prompts from gptforge's own seeded order (gptforge.model.rollout.workers.GenerationOrder), not TRL's sampler.
+its prompts from gptforge's own seeded order (gptforge.model.sampling.workers.GenerationOrder), not TRL's sampler.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling rollouts whose turns end at different lengths: the hf engine's static batches (gptforge.model.rollout.
+"""Sampling rollouts whose turns end at different lengths: the hf engine's static batches (gptforge.model.sampling.
 generate.id_sampler: left-padded rows sampled together with the KV cache until the last one stops) against
 transformers' continuous batching (`generate_batch`: a finished row's slot taken by a waiting one), the same model,
 the same prompts, the same sampling settings.
@@ -7,7 +7,7 @@ the same prompts, the same sampling settings.
 
 Reported: response tokens a second of each (the best of `--repeats`), their ratio, the tokens' mean length and its
 spread, and how far each one's log-probabilities of its sampled tokens are from the trainer's (a forward pass over
-the whole sequence, temperature 1: `mismatch/logp_abs_diff` of gptforge.model.rollout.offpolicy). The model:
+the whole sequence, temperature 1: `mismatch/logp_abs_diff` of gptforge.model.sampling.offpolicy). The model:
 `--model`, else the demo pipeline's newest SFT model (`make run`).
 """
 
@@ -46,8 +46,8 @@ def main() -> None:
     from gptforge.core.console import quiet
     from gptforge.data import demo
     from gptforge.data.chat import prompt_ids
-    from gptforge.model.rollout.engine import HFEngine
-    from gptforge.model.rollout.generate import stop_ids
+    from gptforge.model.sampling.engine import HFEngine
+    from gptforge.model.sampling.generate import stop_ids
 
     quiet()
     path = args.model or max((ROOT / "runs" / "store" / "sft").glob("*/model"), key=lambda d: d.stat().st_mtime)

@@ -38,7 +38,7 @@ def held_out_accuracy(cfg, model_dir: Path) -> float:
 
     from gptforge.data import splits
     from gptforge.model.rewards import math_equal
-    from gptforge.model.rollout.generate import generate
+    from gptforge.model.sampling.generate import generate
 
     items = splits.eval_set(cfg.data, "grpo").items[:cfg.eval.items]
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -54,7 +54,7 @@ def teacher_samples(cfg, teacher: Path, rows: int, path: Path, seed: int) -> tup
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gptforge.data import splits
-    from gptforge.model.rollout.generate import sample_responses
+    from gptforge.model.sampling.generate import sample_responses
 
     prompts = [it["prompt"] for it in splits.online_prompts(cfg.data).train]
     prompts = [prompts[i % len(prompts)] for i in range(2 * rows)]

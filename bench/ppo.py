@@ -22,12 +22,12 @@ from gptforge.data import splits
 from gptforge.data.chat import left_pad, prompt_ids
 from gptforge.model.train.distributed import setup_distributed
 from gptforge.model.train.engine import deepspeed_config, init_engine
-from gptforge.model.rollout.generate import reward_scores
+from gptforge.model.sampling.generate import reward_scores
 from gptforge.model.train.losses import gae, ppo_policy_loss, ppo_value_loss, token_rewards, whiten
 from gptforge.pipeline.store import locate, read_manifest
-from gptforge.model.rollout.generate import stop_ids
-from gptforge.model.rollout.engine import HFEngine
-from gptforge.model.rollout.sampling import sample
+from gptforge.model.sampling.generate import stop_ids
+from gptforge.model.sampling.engine import HFEngine
+from gptforge.model.sampling.sampling import sample
 from gptforge.stages.ppo import build_critic, critic_values, policy_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]

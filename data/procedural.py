@@ -6,7 +6,7 @@
   the dataset's own `score_answer`;
 - `data.prompts: verifiers:<id>`: a verifiers environment's taskset, each task a row {prompt, answer (where its data
   has one), verifiers_task (its index)}, every 20th held out as a file's rows are; the environment's harness then
-  runs the task itself (gptforge.model.rollout.environments.verifiers)."""
+  runs the task itself (gptforge.model.agents.environments.verifiers)."""
 
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ column of the prompts' rows, one list each (as TRL hands its reward functions th
   response (gptforge.core.procedural), 0 on a row reasoning-gym did not generate;
 - `unit_tests`: the share of the row's `tests` (asserts of one expression each) the response's program passes:
   the parts of each test that call the program evaluated in the sandbox, the comparison made here
-  (gptforge.model.rollout.judge).
+  (gptforge.model.agents.judge).
 
-A stage with `overlong: penalty` adds `overlong` (gptforge.model.rollout.overlong), DAPO's soft penalty of
+A stage with `overlong: penalty` adds `overlong` (gptforge.model.trainers.overlong), DAPO's soft penalty of
 responses near their length budget.
 
 A name with a colon is the user's own function, `package.module:function`, imported from the working folder or
@@ -195,8 +195,8 @@ class RemoteReward:
 
 
 def _unit_tests(pc, key, tokenizer):
-    from gptforge.model.rollout import judge, sandbox
-    from gptforge.model.rollout.concurrency import Concurrent
+    from gptforge.model.agents import judge, sandbox
+    from gptforge.model.agents.concurrency import Concurrent
 
     sandbox.require(key)
     return judge.unit_tests(pc.sandbox, Concurrent(pc.tool_concurrency))
@@ -254,12 +254,12 @@ def for_stage(cfg, tokenizer, need: int, split: str = "train", sampling=None) ->
     """An online stage's rewards and prompts (gptforge.data.splits.online_prompts, the `split` rows): at least
     `need` of them, with reference answers where a checker needs them; else one error line naming the data.
     `sampling`: the stage's online section, whose `overlong: penalty` adds the reward `overlong`
-    (gptforge.model.rollout.overlong)."""
+    (gptforge.model.trainers.overlong)."""
     from gptforge.data import splits
 
     rewards = build(cfg.preference, tokenizer)
     if sampling is not None and sampling.overlong == "penalty":
-        from gptforge.model.rollout import overlong
+        from gptforge.model.trainers import overlong
 
         fn = overlong.penalty(tokenizer, sampling.max_new_tokens, sampling.overlong_buffer, sampling.overlong_penalty)
         rewards.append(Reward("overlong", 1.0, "overlong", fn, passes=False))
@@ -274,7 +274,7 @@ def score(rewards: list[Reward], prompts: list, responses: list[str], answers: l
           reward_model: Callable | None = None, calls=None) -> tuple[list[float], dict[str, list[float]]]:
     """(the weighed total of each response, {label: each response's reward}); `reward_model(prompts, responses)`
     scores the reward model's entry (in this thread); the others (checks, functions, reward servers) are called at
-    once through `calls` (gptforge.model.rollout.concurrency.Concurrent) where given."""
+    once through `calls` (gptforge.model.agents.concurrency.Concurrent) where given."""
     others = [r for r in rewards if r.fn is not None]
     each = dict(zip([r.label for r in others], (calls.map if calls else map)(
         lambda r: r(prompts, responses, answers, columns), others)))

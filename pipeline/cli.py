@@ -235,7 +235,7 @@ def cmd_generate(args) -> int:
         raise UserError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     from gptforge.model.attention import load_kwargs
-    from gptforge.model.rollout.generate import kv_cache
+    from gptforge.model.sampling.generate import kv_cache
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, **load_kwargs(model_dir)).eval()
     # a model with a chat template (every gptforge model after SFT) is asked as a user; --raw continues the text

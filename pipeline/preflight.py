@@ -198,7 +198,7 @@ def check_rewards(cfg: PipelineConfig, steps: list[str], log: Callable[[str], No
         elif kind.sandbox:  # the sandbox runs here, and every row's tests are of the judged form
             from gptforge.core.config import SourceSection
             from gptforge.data.sources import kind_of, read_rows
-            from gptforge.model.rollout import judge, sandbox
+            from gptforge.model.agents import judge, sandbox
 
             sandbox.require(key)
             prompts = cfg.data.prompts
@@ -215,9 +215,9 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
     pc = cfg.preference
     if not (pc.environment or pc.tools) or not any(STAGES[s].rewarded for s in steps):
         return
-    from gptforge.model.rollout import mcp
-    from gptforge.model.rollout.calls import format_of
-    from gptforge.model.rollout.tools import Setup
+    from gptforge.model.agents import mcp
+    from gptforge.model.agents.calls import format_of
+    from gptforge.model.agents.tools import Setup
 
     Setup.of(pc)
     mcp.close()  # the MCP servers it started to list their tools: each rollout process starts its own
@@ -233,13 +233,13 @@ def check_rollout(cfg: PipelineConfig, steps: list[str]) -> None:
 
 def check_rollouts_apart(cfg: PipelineConfig, steps: list[str]) -> None:
     """preference.rollout against the stages that read it: its engine imports and can do what the mode and the
-    correction ask (gptforge.model.rollout.engine.check), and rollout workers fit the layout: each serves at least
+    correction ask (gptforge.model.sampling.engine.check), and rollout workers fit the layout: each serves at least
     one training process's batches, and GRPO's and RLOO's (inside TRL's trainers) follow no sequence-parallel
     group."""
     rc, online = cfg.preference.rollout, [s for s in steps if STAGES[s].async_rollouts]
     if not online:
         return
-    from gptforge.model.rollout.engine import check
+    from gptforge.model.sampling.engine import check
 
     check(rc)
     apart = rc.mode == "async" or rc.engine != "hf"

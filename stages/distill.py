@@ -17,7 +17,7 @@ on the student's own distribution: it reaches an RL-trained teacher's accuracy i
   between: the generalised JSD) over the teacher's whole distribution, or its distill.teacher_top_k most likely
   tokens with both renormalised on them (gptforge.model.train.losses.generalized_jsd). The student's logits are
   taken a tile at a time where they would be large (gptforge.model.train.tiling), as PPO's are.
-- The teacher scores through the engine seam (gptforge.model.rollout.engine: `score`): hf is the teacher in the
+- The teacher scores through the engine seam (gptforge.model.sampling.engine: `score`): hf is the teacher in the
   training processes (partitioned under ZeRO-3 like a reference model); distill.teacher_engine names a served one.
 - Rollouts come from the rollout room as PPO's do (preference.rollout: sync, or async workers sampling ahead with
   the student's newer weights), so tools, token-exact episodes and off-policy staleness work unchanged.
@@ -53,12 +53,12 @@ from gptforge.model.attention import load_kwargs
 from gptforge.model.lora import wrap
 from gptforge.model.plan import stage_verdict
 from gptforge.model.pretrained import check_same_tokenizer, load_causal_lm, stage_or_model
-from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.engine import HFEngine, engine_class
-from gptforge.model.rollout.episode import agent_spec as make_spec
-from gptforge.model.rollout.episode import episode_metrics, spec_agent
-from gptforge.model.rollout.generate import stop_ids
-from gptforge.model.rollout.workers import rollout_source
+from gptforge.model.agents.calls import format_of
+from gptforge.model.sampling.engine import HFEngine, engine_class
+from gptforge.model.agents.episode import agent_spec as make_spec
+from gptforge.model.agents.episode import episode_metrics, spec_agent
+from gptforge.model.sampling.generate import stop_ids
+from gptforge.model.sampling.workers import rollout_source
 from gptforge.model.train.checkpoints import find_checkpoint
 from gptforge.model.train.distributed import all_mean, all_sum, setup_distributed
 from gptforge.model.train.engine import deepspeed_config, frozen, init_engine, partitioned, uses_bf16

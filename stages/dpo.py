@@ -7,7 +7,7 @@ model as reference, under DeepSpeed ZeRO (accelerate launch).
 
 `preference.dpo.loss_type` selects any loss TRL implements (sigmoid, ipo, hinge, robust, ...) or a list of
 them ([sigmoid, sft] is RPO). With `distributed.sequence_parallel: N`, groups of N ranks share each pair
-(gptforge.model.train.sequence_parallel.trainer). The held-out report is the evaluation step's
+(gptforge.model.trainers.sequence_parallel.trainer). The held-out report is the evaluation step's
 (gptforge.stages.evaluate).
 """
 
@@ -23,7 +23,7 @@ from gptforge.model.train.engine import uses_bf16
 from gptforge.model.export import export_trainer
 from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, our_console, resume_point,
                                              trainer_kwargs)
-from gptforge.model.train import sequence_parallel
+from gptforge.model.trainers import sequence_parallel
 from gptforge.model.attention import load_kwargs
 from gptforge.model.pretrained import load_policy, reference_dir
 from gptforge.stages.entry import exit_process, main

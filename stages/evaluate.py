@@ -15,7 +15,7 @@ has a reward model): the preference report (gptforge.model.eval.generation.prefe
 demo's verifiable items, and each of the other rewards' accuracy for both models (with eval.samples, pass@k as
 well). After distill: the student against where it started (`start_`) and against its teacher (`teacher_`),
 the models its declaration compares it with. With preference.environment or preference.tools, each answer of
-both models is an episode through the environment and tools (gptforge.model.rollout), the rewards reading its last
+both models is an episode through the environment and tools (gptforge.model.agents), the rewards reading its last
 turn, its trajectory and the environment's get_reward(). Each item's greedy answers go to `answers.jsonl`: the
 model's `response` beside its base's (`base_response`) after SFT, or beside the SFT model's (`sft_response`) with
 both scores after a preference stage, so that every figure of the report can be recomputed from it. Then
@@ -40,13 +40,13 @@ from gptforge.model.attention import load_kwargs
 from gptforge.model.train.distributed import barrier, setup_distributed
 from gptforge.model.train.engine import frozen, inference_config, partitioned, unwrap
 from gptforge.model.eval.generation import answers, preference_report, reference_metrics, score_references
-from gptforge.model.rollout.generate import judge, stop_ids
+from gptforge.model.sampling.generate import judge, stop_ids
 from gptforge.model import rewards
 from gptforge.model.eval.harness import check_tasks, run_harness
 from gptforge.model.pretrained import fit_embeddings, stage_or_model, start_model
-from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.episode import Agent
-from gptforge.model.rollout.tools import Setup
+from gptforge.model.agents.calls import format_of
+from gptforge.model.agents.episode import Agent
+from gptforge.model.agents.tools import Setup
 from gptforge.stages.entry import exit_process, main
 from gptforge.core.declarations import EVAL_OUTPUTS, STAGES
 

@@ -3,7 +3,7 @@ rewards less the group's mean (divided by the group's or batch's std, or not: pr
 the advantage, in TRL's loss of preference.grpo.loss_type (grpo, dr_grpo, dapo, bnpo, cispo, sapo) with the
 ratio per token or per sequence (GSPO: importance_sampling_level). Rewarded by preference.rewards on the online
 prompts (data.prompts), with an optional ptx term, under DeepSpeed ZeRO (accelerate launch); the body it shares
-with rloo is gptforge.stages.trl_online.
+with rloo is gptforge.model.trainers.trl_online.
 
     gptforge stage grpo -c CONFIG      (finds its inputs and output in the stage store)
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.grpo \\
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.declarations import STAGES
-from gptforge.stages import trl_online
+from gptforge.model.trainers import trl_online
 from gptforge.stages.entry import exit_process, main
 
 # imported by its ranks once they have joined their group; by the warm agent before (gptforge.stages.entry.preload)

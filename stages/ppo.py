@@ -16,7 +16,7 @@ losses over minibatches. The losses, GAE and the KL estimate are in gptforge.mod
 entropies are TRL's helpers. The held-out report is the evaluation step's (gptforge.stages.evaluate).
 
 With tools (preference.environment, preference.tools) each rollout is an episode of up to preference.max_turns turns
-(gptforge.model.rollout): the policy's own tokens alone are trained and enter the KL, the tool turns between them
+(gptforge.model.agents): the policy's own tokens alone are trained and enter the KL, the tool turns between them
 are masked; the rewards read the last turn and the whole trajectory (`messages`); `rollouts/step-N.jsonl` keeps
 each logged step's episodes.
 """
@@ -40,15 +40,15 @@ from gptforge.model.train.checkpoints import find_checkpoint, resume, save_step
 from gptforge.model.train.distributed import all_mean, all_sum, barrier, setup_distributed
 from gptforge.model.train.engine import deepspeed_config, frozen, grad_norm, init_engine, partitioned, unwrap, uses_bf16
 from gptforge.model import rewards
-from gptforge.model.rollout import overlong
-from gptforge.model.rollout.generate import (check_same_vocabulary, policy_and_judge, reward_scores,
+from gptforge.model.trainers import overlong
+from gptforge.model.sampling.generate import (check_same_vocabulary, policy_and_judge, reward_scores,
                                              same_vocabulary, stop_ids)
-from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.concurrency import Concurrent
-from gptforge.model.rollout.episode import agent_spec as make_spec
-from gptforge.model.rollout.episode import environment_rewards, episode_metrics, spec_agent, write_trajectories
-from gptforge.model.rollout.offpolicy import mismatch, token_weights
-from gptforge.model.rollout.workers import rollout_source
+from gptforge.model.agents.calls import format_of
+from gptforge.model.agents.concurrency import Concurrent
+from gptforge.model.agents.episode import agent_spec as make_spec
+from gptforge.model.agents.episode import environment_rewards, episode_metrics, spec_agent, write_trajectories
+from gptforge.model.sampling.offpolicy import mismatch, token_weights
+from gptforge.model.sampling.workers import rollout_source
 from gptforge.model.export import export_model, hf_tensor
 from gptforge.model.train.guard import StepGuard
 from gptforge.model.train.losses import (AdaptiveKLController, causal_lm_loss, gae, kl_per_token, masked_mean,
@@ -218,7 +218,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path) -> dict:
                 total, each = rewards.score(scoring, batch, texts, [answers[i] for i in ids], cols, judge, calls)
                 score = torch.tensor(total, device=device) * guard.scale  # a drill's NaN (model/train/guard.py)
                 cut = overlong.cut(seqs, mask, P, stops, episodes)
-                if oc.overlong == "mask":  # cut responses leave the loss (gptforge.model.rollout.overlong)
+                if oc.overlong == "mask":  # cut responses leave the loss (gptforge.model.trainers.overlong)
                     mask = mask * ~cut[:, None]
                 per_token = token_rewards(score, old_logp, ref_logp, mask.float(), kl_ctl.value)
                 advantages, returns = gae(per_token, old_values, mask.float(), oc.gamma, oc.lam)

@@ -27,7 +27,7 @@ from gptforge.model.attention import load_kwargs
 from gptforge.model.train.checkpoints import find_checkpoint
 from gptforge.model.train.distributed import all_sum, setup_distributed
 from gptforge.model.train.engine import deepspeed_config, frozen, init_engine, partitioned, unwrap, uses_bf16
-from gptforge.model.rollout.generate import generate
+from gptforge.model.sampling.generate import generate
 from gptforge.model.train.loop import TrainLoop
 from gptforge.model.train.losses import pairwise_reward_loss
 from gptforge.model.plan import stage_verdict

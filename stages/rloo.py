@@ -1,7 +1,7 @@
 """RLOO stage: online RL of the SFT policy with TRL's RLOOTrainer: num_generations completions a prompt, each one's
 advantage its reward less the mean reward of the others (REINFORCE leave-one-out). Rewarded by preference.rewards
 on the online prompts (data.prompts), with an optional ptx term, under DeepSpeed ZeRO (accelerate launch); the
-body it shares with grpo is gptforge.stages.trl_online.
+body it shares with grpo is gptforge.model.trainers.trl_online.
 
     gptforge stage rloo -c CONFIG      (finds its inputs and output in the stage store)
     accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2 -m gptforge.stages.rloo \\
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gptforge.core.config import PipelineConfig
 from gptforge.core.declarations import STAGES
-from gptforge.stages import trl_online
+from gptforge.model.trainers import trl_online
 from gptforge.stages.entry import exit_process, main
 
 # imported by its ranks once they have joined their group; by the warm agent before (gptforge.stages.entry.preload)

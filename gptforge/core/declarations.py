@@ -209,7 +209,7 @@ def data_parallel(dist, step: str) -> int:
 @dataclass(frozen=True)
 class Adapter:
     """A library whose objects gptforge adapts, named in a setting by its prefix (`openenv:...`, `verifiers:...`,
-    `reasoning_gym:...`); gptforge.model.rollout.environments and gptforge.data.procedural implement each.
+    `reasoning_gym:...`); gptforge.model.agents.environments and gptforge.data.procedural implement each.
 
     - `library`: the library's name, as users know it; `extra`: the module it needs, of an optional extra
       (gptforge.core.extras);

@@ -1,6 +1,6 @@
 """Held-out evaluation by generation: greedy answers scored against reference answers (exact match where they are
 short, ROUGE-L), pass@k of the rewards' checks, and the preference report (the policy against the SFT model, judged
-by the reward model, and the KL between them). Sampling itself: gptforge.model.rollout.generate."""
+by the reward model, and the KL between them). Sampling itself: gptforge.model.sampling.generate."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import torch
 
 from gptforge.model.rewards import columns_of, verify
-from gptforge.model.rollout.generate import (generate, id_sampler, kv_cache, response_logprobs,
+from gptforge.model.sampling.generate import (generate, id_sampler, kv_cache, response_logprobs,
                                              reward_scores, sample_responses, stop_ids)
 
 
@@ -83,11 +83,11 @@ def answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, ba
 
 def agent_answers(agent, model, tokenizer, items: list[dict], max_new_tokens: int, synced: bool = False,
                   **sampling) -> tuple[list[str], dict[str, list], list[int]]:
-    """Each item's episode through `agent` (gptforge.model.rollout.episode.Agent: the environment and tools, the
+    """Each item's episode through `agent` (gptforge.model.agents.episode.Agent: the environment and tools, the
     policy's call format, the turn and length budgets), greedy unless `sampling` says otherwise: (the last turns,
     the reward columns: `messages`, the trajectories, and `environment_reward`; the tool calls of each).
     `synced`: the model is partitioned (ZeRO-3), the ranks sample in step until every rank's episodes end."""
-    from gptforge.model.rollout.episode import environment_rewards, rollouts
+    from gptforge.model.agents.episode import environment_rewards, rollouts
     from gptforge.model.train.distributed import all_sum
 
     model.eval()

@@ -132,7 +132,7 @@ def save_step(engines: dict, ckpt_root: Path, step: int, client_state: dict, ran
               keep_last: int, rank_state: dict | None = None) -> None:
     """A step checkpoint: each DeepSpeed engine's weights, optimizer and scheduler shards under step-N/<name>/,
     the client state, this rank's RNG states and its own `rank_state` (plain data: the rollouts in flight of
-    gptforge.model.rollout.workers); marked complete once all ranks have written, then the oldest pruned."""
+    gptforge.model.sampling.workers); marked complete once all ranks have written, then the oldest pruned."""
     d = ckpt_root / tag_of(step)
     try:
         for name, engine in engines.items():

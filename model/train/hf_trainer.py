@@ -18,10 +18,9 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from gptforge.core.files import write_json_atomic
-from gptforge.data.chat import ChosenRows, positions
+from gptforge.data.chat import positions
 from gptforge.model.train.checkpoints import newest_valid_checkpoint, record_complete
 from gptforge.model.train.engine import min_lr_rate, zero_config
-from gptforge.model.train.losses import causal_lm_loss
 from gptforge.model.train.metrics import WARMUP_STEPS, MetricsLog, Throughput, from_trainer, step_line
 
 
@@ -178,7 +177,7 @@ class TrainerGuard(TrainerCallback):
             loss = out[0] if isinstance(out, tuple) else out
             self.guard.next(lambda: None)  # counts the micro-batch for drills
             self.guard.observe(loss, boundary=acc.sync_gradients)
-            rollouts = getattr(trainer, "rollout_verdict", None)  # gptforge.model.rollout.online: a mismatch
+            rollouts = getattr(trainer, "rollout_verdict", None)  # gptforge.model.trainers.online: a mismatch
             if rollouts and acc.sync_gradients:
                 self.guard.verdict = rollouts
             loss = self.guard.gate(loss)
@@ -263,28 +262,6 @@ def use_reference(trainer, path: Path, model_cfg=None) -> None:
     add_fused_lm_head(ref, temperature=trainer.temperature,
                       cast_lm_head_to_fp32=getattr(trainer.args, "cast_lm_head_to_fp32", False))
     trainer.ref_model = prepare_deepspeed(ref, trainer.accelerator)
-
-
-def with_ptx(trainer_cls, rows: ChosenRows, coef: float):
-    """`trainer_cls` with coef * the loss of `rows` added to each micro-batch's policy loss: PPO-ptx
-    (InstructGPT), for TRL's GRPO and RLOO. The update that picks the rows is counted from the optimizer step
-    and the micro-step within it, so a resumed run draws the same."""
-
-    class PtxTrainer(trainer_cls):
-        _ptx_at = (-1, 0)  # (optimizer step, micro-steps taken in it)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            step, k = self._ptx_at if self._ptx_at[0] == self.state.global_step else (self.state.global_step, 0)
-            self._ptx_at = (step, k + 1)
-            x, a, y = rows.batch(step * self.args.gradient_accumulation_steps + k)
-            ptx = causal_lm_loss(model(input_ids=x.to(loss.device), attention_mask=a.to(loss.device)).logits,
-                                 y.to(loss.device))
-            self._metrics["train"]["ptx_loss"].append(self.accelerator.gather(ptx.detach()).mean().item())
-            return loss + coef * ptx
-
-    PtxTrainer.__name__ = PtxTrainer.__qualname__ = f"Ptx{trainer_cls.__name__}"
-    return PtxTrainer
 
 
 def prompts_dataset(items: list[dict]):

@@ -86,7 +86,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                     clip: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped surrogate: mean of max(-A*r, -A*clip(r, 1-eps, 1+eps)), r = exp(logp - old_logp), each token's term
-    times its off-policy weight where given (gptforge.model.rollout.offpolicy). Returns the loss and the fraction
+    times its off-policy weight where given (gptforge.model.sampling.offpolicy). Returns the loss and the fraction
     of tokens where the clipped term was taken. The log-ratio is clamped to +-20 first, as veRL does: a masked
     position the policy finds impossible would give exp(100) = inf in float32, and its 0 weight then a NaN."""
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))

@@ -182,7 +182,7 @@ def from_trainer(logs: dict) -> dict:
     tokens times their mean length); each reward function's rewards/<label>/mean as rewards/<label>."""
     out = {TRL_NAMES[k]: v for k, v in logs.items() if k in TRL_NAMES}
     out |= {k.removesuffix("/mean"): v for k, v in logs.items() if k.startswith("rewards/") and k.endswith("/mean")}
-    out |= {k: v for k, v in logs.items() if k.startswith(("rollout/", "mismatch/"))}  # gptforge.model.rollout.online
+    out |= {k: v for k, v in logs.items() if k.startswith(("rollout/", "mismatch/"))}  # gptforge.model.trainers.online
     if "kl_per_token" in out and "response_length" in out:
         out["kl"] = out["kl_per_token"] * out["response_length"]
     return out

@@ -136,8 +136,8 @@ import re
 import torch
 from transformers import AutoTokenizer
 
-from gptforge.model.rollout.engine import HFEngine
-from gptforge.model.rollout.generate import Turn
+from gptforge.model.sampling.engine import HFEngine
+from gptforge.model.sampling.generate import Turn
 
 
 class PythonForEvenSums(HFEngine):

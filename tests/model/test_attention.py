@@ -149,7 +149,7 @@ def test_alternating_on_a_family_that_cannot_take_it_is_an_error(tmp_path):
 
 
 def test_greedy_answers_with_an_fp8_kv_cache_agree_with_the_full_cache_on_most_items():
-    from gptforge.model.rollout.generate import kv_cache
+    from gptforge.model.sampling.generate import kv_cache
 
     model = preset_model("llama-tiny", "sdpa")
     torch.manual_seed(3)

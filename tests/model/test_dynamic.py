@@ -1,9 +1,9 @@
-"""Dynamic sampling's splice of a new draw's groups into a generation batch (gptforge.model.rollout.dynamic), on
+"""Dynamic sampling's splice of a new draw's groups into a generation batch (gptforge.model.trainers.dynamic), on
 batches shaped as TRL's trainers return them: prompts left-padded, completions right-padded, of other widths."""
 
 import torch
 
-from gptforge.model.rollout.dynamic import splice
+from gptforge.model.trainers.dynamic import splice
 
 PAD = 9
 

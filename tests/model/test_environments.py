@@ -1,4 +1,4 @@
-"""Environments of other libraries through the rollout room (gptforge.model.rollout.environments): an OpenEnv
+"""Environments of other libraries through the rollout room (gptforge.model.agents.environments): an OpenEnv
 environment served by openenv's own app, each episode a session of it, token-exact, concurrent; and the mistakes a
 user can make naming one, each one error line. (Through the stages: tests/stages/test_agents.py.)"""
 
@@ -11,8 +11,8 @@ import pytest
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import UserError
-from gptforge.model.rollout.episode import environment_rewards, render, rollouts
-from gptforge.model.rollout.tools import Setup
+from gptforge.model.agents.episode import environment_rewards, render, rollouts
+from gptforge.model.agents.tools import Setup
 from tests import openenv_game as game
 from tests.conftest import TINY
 from tests.model.test_rollout import call_text, scripted, tokenizers  # noqa: F401 (a fixture)
@@ -125,7 +125,7 @@ def test_a_verifiers_episode_of_three_turns_through_the_endpoint_trains_the_samp
     """verifiers' own harness and environment drive each episode against the policy behind gptforge's
     OpenAI-compatible endpoint: a hint tool's call, a guess the environment answers "lower", the right guess."""
     from gptforge.data import splits
-    from gptforge.model.rollout import endpoint as endpoints
+    from gptforge.model.agents import endpoint as endpoints
     from tests import verifiers_game
 
     monkeypatch.syspath_prepend(str(Path(verifiers_game.__file__).parent))  # its id, a module of the working folder
@@ -186,7 +186,7 @@ def test_the_endpoint_serves_completions_token_exact_and_refuses_what_would_brea
     import urllib.error
     import urllib.request
 
-    from gptforge.model.rollout.endpoint import Endpoint
+    from gptforge.model.agents.endpoint import Endpoint
 
     tok = tokenizers["hermes"]
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -251,7 +251,7 @@ def test_a_sampler_that_fails_answers_every_request_of_its_batch(tokenizers):  #
     import urllib.error
     import urllib.request
 
-    from gptforge.model.rollout.endpoint import Endpoint
+    from gptforge.model.agents.endpoint import Endpoint
 
     tok = tokenizers["hermes"]
     eot = tok.convert_tokens_to_ids("<|im_end|>")

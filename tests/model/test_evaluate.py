@@ -9,7 +9,7 @@ from gptforge.data.tokenizer import save_hf, train_bpe
 from gptforge.model.build import build_model, hf_config
 from gptforge.model.eval.generation import (answers, preference_report, reference_metrics, rouge_l, score_references,
                                             win_rate)
-from gptforge.model.rollout.generate import check_same_vocabulary, stop_ids
+from gptforge.model.sampling.generate import check_same_vocabulary, stop_ids
 from gptforge.model.eval.harness import run_harness
 from gptforge.model.rewards import verify
 

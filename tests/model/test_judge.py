@@ -1,4 +1,4 @@
-"""The unit_tests reward judged where the program cannot reach (gptforge.model.rollout.judge): each forgery that
+"""The unit_tests reward judged where the program cannot reach (gptforge.model.agents.judge): each forgery that
 scored a wrong program 1.0 under the old judge, which shared the program's interpreter, scores what the honest wrong
 program scores; a right program scores 1; tests are split here into the parts the sandbox evaluates and the rest;
 a row of another form is one error line naming it; a sandbox that cannot start is an error, never a 0."""
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gptforge.core.errors import DataError
-from gptforge.model.rollout import judge, sandbox
+from gptforge.model.agents import judge, sandbox
 
 pytestmark = pytest.mark.skipif(sandbox.missing() is not None, reason=f"the sandbox: {sandbox.missing()}")
 

@@ -1,4 +1,4 @@
-"""Tools served over the Model Context Protocol (gptforge.model.rollout.mcp), from a server written with mcp's own
+"""Tools served over the Model Context Protocol (gptforge.model.agents.mcp), from a server written with mcp's own
 classes (tests/mcp_server.py): listed with their schemas and rendered by the chat template, called from episodes at
 once under the tool timeout, their errors the model's messages, a stdio server one a process and ended with it,
 streamable HTTP too; and the mistakes a user can make, each one error line."""
@@ -13,9 +13,9 @@ import time
 import pytest
 
 from gptforge.core.errors import UserError
-from gptforge.model.rollout import mcp
-from gptforge.model.rollout.episode import render, rollouts
-from gptforge.model.rollout.tools import Setup
+from gptforge.model.agents import mcp
+from gptforge.model.agents.episode import render, rollouts
+from gptforge.model.agents.tools import Setup
 from tests.model.test_rollout import call_text, scripted, tokenizers  # noqa: F401 (a fixture)
 
 SERVER = f"mcp:{sys.executable} {os.path.join(os.path.dirname(os.path.dirname(__file__)), 'mcp_server.py')}"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gptforge.model.rollout.offpolicy import mismatch, sequence_weights, token_weights
+from gptforge.model.sampling.offpolicy import mismatch, sequence_weights, token_weights
 from gptforge.model.train.losses import ppo_policy_loss
 
 # two responses of three tokens; the second's last token is padding

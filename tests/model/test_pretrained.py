@@ -120,7 +120,7 @@ def test_generation_stops_at_the_models_own_stop_tokens(tmp_path):
     both in its generation_config, and generation ends at the one the template does not show."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gptforge.model.rollout.generate import generate_ids
+    from gptforge.model.sampling.generate import generate_ids
     from gptforge.model.export import export_model
 
     d = hub_models.save_model("llama3", tmp_path / "l")

@@ -1,4 +1,4 @@
-"""The rollout room (gptforge.model.rollout): multi-turn episodes with tools, token-exact, for two template
+"""The rollout room (gptforge.model.agents): multi-turn episodes with tools, token-exact, for two template
 families: gptforge's own (ChatML, Hermes / Qwen2.5 tool calls) and Llama 3.1's (JSON calls, ipython results). A
 scripted policy stands in for the model: what it "samples" is known, so the test can tell that the trained ids are
 the sampled ids and that the mask covers exactly them."""
@@ -9,9 +9,9 @@ import pytest
 
 from gptforge.core.errors import ConfigError
 from gptforge.data.tokenizer import chat_template, save_hf, train_bpe
-from gptforge.model.rollout.calls import format_of, parse
-from gptforge.model.rollout.episode import render, run_episodes, start
-from gptforge.model.rollout.tools import Setup, Toolbox, environment_tools, schema
+from gptforge.model.agents.calls import format_of, parse
+from gptforge.model.agents.episode import render, run_episodes, start
+from gptforge.model.agents.tools import Setup, Toolbox, environment_tools, schema
 from tests.hub_models import LLAMA3_TEMPLATE, texts
 from tests.hub_models import tokenizer as family_tokenizer
 
@@ -206,7 +206,7 @@ def test_tools_need_hints_and_docstrings_and_templates_must_render_tools():
 @pytest.mark.parametrize("algorithm", ["GRPO", "RLOO"])
 def test_trls_trainers_train_the_sampled_ids_of_a_three_turn_episode_with_the_tool_turns_masked(
         algorithm, tokenizers, tmp_path, monkeypatch):
-    """The hand-off to TRL (gptforge.model.rollout.online): TRL's GRPOTrainer and RLOOTrainer, in this process on
+    """The hand-off to TRL (gptforge.model.trainers.online): TRL's GRPOTrainer and RLOOTrainer, in this process on
     the CPU, take the episodes' ids and masks as they are; the loss mask is exactly the policy's tokens (RLOO: its
     sequence log-probability, which its ratio and its KL penalty sum, is over them alone); the rewards read the
     last turn, the trajectory and the environment's reward; the loss is finite."""
@@ -215,7 +215,7 @@ def test_trls_trainers_train_the_sampled_ids_of_a_three_turn_episode_with_the_to
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from gptforge.core.config import PreferenceSection
-    from gptforge.model.rollout import online
+    from gptforge.model.trainers import online
 
     tok = tokenizers["hermes"]
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -293,7 +293,7 @@ def test_a_turn_never_runs_past_the_positions_its_budget_leaves():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gptforge.model.rollout.generate import id_sampler
+    from gptforge.model.sampling.generate import id_sampler
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
@@ -350,7 +350,7 @@ def test_a_turns_tool_calls_run_at_once_and_the_trajectories_are_the_sequential_
     `async def` on the event loop): with tool_concurrency 4 the four calls of that turn overlap (each started before
     any ended), and every trajectory (messages, ids, masks, calls, rewards) is the one the calls made one after
     another give."""
-    from gptforge.model.rollout.episode import environment_rewards, rollouts
+    from gptforge.model.agents.episode import environment_rewards, rollouts
 
     tok = tokenizers["hermes"]
     rows = [{"prompt": [{"role": "user", "content": f"Wait for item {n}."}], "n": n} for n in range(4)]

@@ -1,4 +1,4 @@
-"""The sandbox model-written code runs in (gptforge.model.rollout.sandbox), attacked as a policy optimised for reward
+"""The sandbox model-written code runs in (gptforge.model.agents.sandbox), attacked as a policy optimised for reward
 would: each leak is shown on a naive runner (`subprocess.run` with a timeout) where it is safe to, and refused by
 the sandbox; the bombs and floods end in the sandbox's limits, the stage's process untouched, and nothing of a call
 outlives it. Then the `python` tool and the `unit_tests` reward on it, and the mistakes a user can make."""
@@ -15,8 +15,8 @@ import pytest
 
 from gptforge.core.config import load_config
 from gptforge.core.errors import UserError
-from gptforge.model.rollout import sandbox
-from gptforge.model.rollout.sandbox import PYTHON, Limits, alive, run
+from gptforge.model.agents import sandbox
+from gptforge.model.agents.sandbox import PYTHON, Limits, alive, run
 from tests.conftest import ROOT, TINY
 
 pytestmark = pytest.mark.skipif(sandbox.missing() is not None, reason=f"the sandbox: {sandbox.missing()}")
@@ -184,7 +184,7 @@ def test_a_memory_bomb_across_children_is_held_to_the_calls_memory_and_its_cores
 
 
 LONG_CALL = """
-from gptforge.model.rollout.sandbox import PYTHON, Limits, run
+from gptforge.model.agents.sandbox import PYTHON, Limits, run
 r = run([PYTHON, "-c", "import time; time.sleep(3); print('done')"], limits=Limits(wall_s=20))
 print(r.exit_status, r.stdout.strip())
 """
@@ -194,7 +194,7 @@ def test_two_processes_calling_at_once_and_many_calls_back_to_back():
     """Another process's long call runs while this one makes short calls: each has its own uid, and nothing this
     process's calls do reaches it. Then 200 calls in a row under a process limit of 8, each judged right: no zombie
     and no uid of an earlier call counts against the next."""
-    from gptforge.model.rollout import judge
+    from gptforge.model.agents import judge
 
     long = subprocess.Popen([sys.executable, "-c", LONG_CALL], stdout=subprocess.PIPE, text=True)
     time.sleep(1)  # (its call is under way)
@@ -253,7 +253,7 @@ def test_sandbox_mistakes_are_one_line_naming_the_key(monkeypatch):
     with pytest.raises(UserError, match=r"preference.sandbox.memory_mb\n  Input should be greater than 0|"
                                         r"preference.sandbox.memory_mb.*greater than 0"):
         load_config(TINY, ["preference.sandbox.memory_mb=0"])
-    from gptforge.model.rollout.tools import Setup
+    from gptforge.model.agents.tools import Setup
 
     monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None if tool == "bwrap" else f"/usr/bin/{tool}")
     with pytest.raises(UserError, match=r"preference.tools: python runs model-written code in a sandbox, but bwrap "

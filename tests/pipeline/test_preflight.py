@@ -30,7 +30,7 @@ def test_a_qlora_config_validates_on_a_cpu_head_node_and_fails_only_where_it_wou
 
 
 class SamplesOnly:
-    """An engine on the seam of gptforge.model.rollout.engine that generates and can neither load weights nor give
+    """An engine on the seam of gptforge.model.sampling.engine that generates and can neither load weights nor give
     the sampled log-probabilities (a frozen inference server)."""
 
     loads_weights = False

@@ -99,8 +99,8 @@ class Counter:
 
 
 def test_the_report_shows_an_online_stages_busiest_trajectory(tmp_path):
-    from gptforge.model.rollout.episode import Episode, write_trajectories
-    from gptforge.model.rollout.tools import Setup
+    from gptforge.model.agents.episode import Episode, write_trajectories
+    from gptforge.model.agents.tools import Setup
 
     run_dir = run_dir_with_logs(tmp_path)
     quiet = Episode([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], [1], [2], [1],

@@ -1,4 +1,4 @@
-"""Rollouts apart from training (preference.rollout, gptforge.model.rollout.workers): our PPO on 2 processes with a
+"""Rollouts apart from training (preference.rollout, gptforge.model.sampling.workers): our PPO on 2 processes with a
 rollout worker, a Ray actor, sampling while the trainer trains. At max_staleness 0 it samples and trains exactly
 what the in-process (sync) run does; at 1 each batch is one update old, and a run killed after a checkpoint
 resumes to the uninterrupted result."""
@@ -112,7 +112,7 @@ def test_async_rollouts_run_the_users_environment_in_the_worker(chain, tmp_path,
 NOISY = '''
 from transformers import AutoTokenizer
 
-from gptforge.model.rollout.engine import HFEngine
+from gptforge.model.sampling.engine import HFEngine
 
 
 class Noisy(HFEngine):

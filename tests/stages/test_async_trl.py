@@ -1,4 +1,4 @@
-"""Rollouts apart from training for TRL's trainers (gptforge.model.rollout.online, workers): GRPO and RLOO with a
+"""Rollouts apart from training for TRL's trainers (gptforge.model.trainers.online, workers): GRPO and RLOO with a
 rollout worker sampling their generation batches ahead, the sampled log-probabilities corrected and measured, a
 GRPO killed and resumed exactly, and the guard of a Trainer reading a mismatch. (PPO's: test_async_rollouts.py.)"""
 

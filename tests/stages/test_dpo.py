@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gptforge.data import splits
-from gptforge.model.rollout.generate import response_logprobs
+from gptforge.model.sampling.generate import response_logprobs
 from gptforge.model.train.metrics import NAMES
 from gptforge.pipeline.store import locate
 from tests.conftest import DPO

@@ -98,7 +98,8 @@ def test_every_loss_type_ratio_level_and_clip_reaches_trls_loss(chain, tmp_path)
 
     from gptforge.core.config.training import GRPOSection
     from gptforge.core.declarations import STAGES
-    from gptforge.stages import grpo, trl_online
+    from gptforge.model.trainers import trl_online
+    from gptforge.stages import grpo
     from tests.helpers import config
 
     model_dir = chain["sft"][1] / "model"

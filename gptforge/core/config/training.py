@@ -89,7 +89,7 @@ class DPOSection(Section):
 
 
 class SamplingSection(Section):
-    """How a stage that learns on its own samples draws them (gptforge.model.rollout.sampling)."""
+    """How a stage that learns on its own samples draws them (gptforge.model.sampling.sampling)."""
 
     max_new_tokens: int = Setting(8, ge=1, description="Response length of on-policy sampling, in tokens.")
     temperature: float = Setting(1.0, gt=0, description="Sampling temperature of rollouts.")
@@ -207,7 +207,7 @@ class RLOOSection(GroupSection):
 
 class RolloutSection(Section):
     """Where the online stages' rollouts are generated, and how the loss corrects for the policy they were sampled
-    with (gptforge.model.rollout.engine, workers, offpolicy; docs/rollouts.md)."""
+    with (gptforge.model.sampling.engine, workers, offpolicy; docs/rollouts.md)."""
 
     mode: Literal["sync", "async"] = Setting("sync", description="sync: the training processes generate between "
                                              "updates; async: rollout workers generate the next batches meanwhile.")
@@ -216,7 +216,7 @@ class RolloutSection(Section):
     workers: int = Setting(1, ge=1, same_result=True, description="async: rollout worker processes (Ray actors, one "
                            "engine each); each serves the batches of every workers-th training process.")
     engine: str = Setting("hf", description="What generates: hf (transformers' generate) or a package.module:Class "
-                          "on the seam of gptforge.model.rollout.engine (docs/rollouts.md).")
+                          "on the seam of gptforge.model.sampling.engine (docs/rollouts.md).")
     correction: Literal["none", "tis", "icepop"] = Setting("none", description="Off-policy correction of the policy "
                                                            "loss: truncated importance sampling, IcePop's band, none.")
     tis_cap: float = Setting(2.0, gt=0, description="tis: the cap of each token's ratio pi_train / pi_sampling.")
@@ -235,7 +235,7 @@ class RolloutSection(Section):
 
 
 class SandboxSection(Section):
-    """The limits of the sandbox model-written code runs in (gptforge.model.rollout.sandbox): the `python` tool and
+    """The limits of the sandbox model-written code runs in (gptforge.model.agents.sandbox): the `python` tool and
     the `unit_tests` reward."""
 
     wall_s: float = Setting(10.0, gt=0, description="Seconds a run may take, then everything in it is killed.")
@@ -360,7 +360,7 @@ class DistillSection(SamplingSection, TrainSection):
     teacher_top_k: int = Setting(0, ge=0, description="The divergence over the teacher's k most likely tokens a "
                                  "position, both renormalised there (a served teacher's); 0: the whole vocabulary.")
     teacher_engine: str = Setting("hf", description="What scores the samples under the teacher: hf (in the training "
-                                  "processes) or package.module:Class on gptforge.model.rollout.engine's seam.")
+                                  "processes) or package.module:Class on gptforge.model.sampling.engine's seam.")
     lr: float = Setting(5e-5, gt=0, description="Peak learning rate (AdamW).")
     min_lr: float = Setting(0.0, ge=0, description="Learning rate at the end of cosine decay.")
     max_length: int = Setting(96, ge=8, description="Maximum tokens per prompt+response (an episode with tools).")

@@ -20,7 +20,7 @@ parts return, which is what an honest program does, and the values they are comp
 
 A test of another form (several statements, not an assert, a syntax error) is one error line naming the row, where
 the data is read (`check_rows`), before anything runs. A sandbox that cannot start is a
-`gptforge.model.rollout.sandbox.SandboxError`, never a score of 0.
+`gptforge.model.agents.sandbox.SandboxError`, never a score of 0.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 
 from gptforge.core.errors import DataError
-from gptforge.model.rollout import sandbox
+from gptforge.model.agents import sandbox
 
 # the names a test may use around the program's parts, evaluated here (never the program's own)
 SAFE = {name: getattr(builtins, name) for name in (

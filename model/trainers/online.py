@@ -1,5 +1,5 @@
 """The rollout room inside TRL's online trainers: each prompt row of a generation batch (TRL's sampler has already
-repeated it num_generations times) is one episode of gptforge.model.rollout.episode, sampled by the trainer's own
+repeated it num_generations times) is one episode of gptforge.model.agents.episode, sampled by the trainer's own
 policy, so that PPO, GRPO and RLOO share one call parser, one timeout and one mask.
 
 What the episodes hold reaches the trainer token-exact: the prompt's ids, the ids after it (the turns as sampled and
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gptforge.model.rollout.generate import id_sampler, stop_ids
+from gptforge.model.sampling.generate import id_sampler, stop_ids
 from gptforge.data.chat import prompt_ids
-from gptforge.model.rollout.episode import Episode, environment_rewards, rollouts, write_trajectories
-from gptforge.model.rollout.tools import Setup
+from gptforge.model.agents.episode import Episode, environment_rewards, rollouts, write_trajectories
+from gptforge.model.agents.tools import Setup
 
 
 def agent_trainer(trainer_cls, trainer: str, agent: Setup, fmt: str, pc, oc, folder: Path):
@@ -42,7 +42,7 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
     """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer, or a subclass; `trainer` the stage's declared "GRPO" or
     "RLOO") taking its rollouts from this room: episodes
     with `agent`'s tools (`fmt` the policy's call format), sampled by the trainer's own policy; or, once `attach`ed
-    to a rollout source (gptforge.model.rollout.workers.Workers: async), the source's batches, one or many turns,
+    to a rollout source (gptforge.model.sampling.workers.Workers: async), the source's batches, one or many turns,
     with their prompts drawn by gptforge's own seeded order in place of TRL's. `pc` the preference section
     (max_turns, max_length, log_every, rollout), `oc` the online section (sampling); each logged step's episodes of
     rank 0 written to `folder` where there are tools. Every rollout from here keeps its sampled log-probabilities:
@@ -155,7 +155,7 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
         def _off_policy(self, out: dict) -> None:
             import torch
 
-            from gptforge.model.rollout.offpolicy import mismatch, token_weights
+            from gptforge.model.sampling.offpolicy import mismatch, token_weights
 
             mask = out["completion_mask"] * out.get("tool_mask", out.get("env_mask", 1))
             width = out["completion_ids"].size(1)
@@ -248,7 +248,7 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
         def _correct(self, out, trained, sampled, mask, token_weights) -> None:
             """RLOO's loss is one a sequence: the sequence's ratio (its tokens' product), truncated or banded,
             scales its advantage (a non-negative factor of both terms of the clipped loss)."""
-            from gptforge.model.rollout.offpolicy import sequence_weights
+            from gptforge.model.sampling.offpolicy import sequence_weights
 
             weight = sequence_weights(trained, sampled, mask, rc)
             if weight is not None:
@@ -273,7 +273,7 @@ def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setu
 
 
 def single_turns(sampled, prompts: list, tokenizer) -> list[Episode]:
-    """One-turn episodes from a worker's rollouts in PPO's layout (gptforge.model.rollout.sampling.Rollouts)."""
+    """One-turn episodes from a worker's rollouts in PPO's layout (gptforge.model.sampling.sampling.Rollouts)."""
     episodes = []
     P = sampled.P
     for b, prompt in enumerate(prompts):

@@ -16,7 +16,7 @@ How the bound protects training: the threads wait for what the tools wait on (a 
 core while they do. A CPU-bound tool written in Python holds the interpreter's lock, so in the training process it
 runs no faster in parallel and no slower than alone, and in sync mode the trainer waits for the rollouts in any
 case; in async mode the tools run in the rollout workers, processes pinned to the cores the training processes left
-(gptforge.model.rollout.workers), so a busy tool cannot take a trainer's core. `tool_concurrency: 1` runs
+(gptforge.model.sampling.workers), so a busy tool cannot take a trainer's core. `tool_concurrency: 1` runs
 everything one call after another, as before.
 """
 

@@ -8,13 +8,13 @@ gptforge's PPO and TRL's GRPOTrainer (`environment_factory`, `tools`):
 - gptforge's one addition: an environment with a `respond(text)` method answers each turn of the policy that calls
   no tool (the user turn the policy reads next; None ends the episode), as a text game or a simulated user does.
 
-Environments of other libraries (OpenEnv) are adapted to these conventions (gptforge.model.rollout.environments);
-tools served over the Model Context Protocol are tools like these (gptforge.model.rollout.mcp).
+Environments of other libraries (OpenEnv) are adapted to these conventions (gptforge.model.agents.environments);
+tools served over the Model Context Protocol are tools like these (gptforge.model.agents.mcp).
 
 A call runs with a timeout. An exception, a timeout, an unknown tool or bad arguments become the tool's error
 message to the model, never a crashed stage. A call that times out keeps its thread (Python cannot stop one; an
 `async def` call is cancelled), and its environment answers every later call of the episode with that error.
-A batch's calls run at once, up to `preference.tool_concurrency` (gptforge.model.rollout.concurrency).
+A batch's calls run at once, up to `preference.tool_concurrency` (gptforge.model.agents.concurrency).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from gptforge.core.errors import ConfigError
 from gptforge.model.rewards import user_function
-from gptforge.model.rollout.concurrency import Concurrent, settled
+from gptforge.model.agents.concurrency import Concurrent, settled
 
 
 def schema(fn: Callable, key: str) -> dict:
@@ -58,10 +58,10 @@ BUILT_IN = ("python",)  # the tools gptforge has: model-written code run in the 
 
 
 def built_in(spec: str, sandbox: dict | None) -> Callable | None:
-    """A built-in tool by its name (`python`: gptforge.model.rollout.sandbox), the host checked for the sandbox."""
+    """A built-in tool by its name (`python`: gptforge.model.agents.sandbox), the host checked for the sandbox."""
     if spec not in BUILT_IN:
         return None
-    from gptforge.model.rollout import sandbox as room
+    from gptforge.model.agents import sandbox as room
 
     room.require(f"preference.tools: {spec}")
     return room.python_tool(room.Limits(**(sandbox or {})))
@@ -70,7 +70,7 @@ def built_in(spec: str, sandbox: dict | None) -> Callable | None:
 @dataclass
 class Setup:
     """What `preference.environment` and `preference.tools` name, imported and checked; `calls` runs a batch's
-    calls at once, up to `concurrency` (gptforge.model.rollout.concurrency)."""
+    calls at once, up to `concurrency` (gptforge.model.agents.concurrency)."""
 
     factory: Callable | None
     tools: list[Callable]
@@ -97,9 +97,9 @@ class Setup:
     def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1,
              url: str | None = None, endpoint: tuple[str, int] = ("127.0.0.1", 0),
              sandbox: dict | None = None) -> Setup:
-        from gptforge.model.rollout import environments
+        from gptforge.model.agents import environments
 
-        from gptforge.model.rollout import mcp
+        from gptforge.model.agents import mcp
 
         factory = environments.factory(environment, url, timeout_s)
         functions, source = [], {}

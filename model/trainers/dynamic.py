@@ -26,7 +26,7 @@ import random
 
 import torch
 
-from gptforge.model.rollout.online import pad_to
+from gptforge.model.trainers.online import pad_to
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # left-padded, as TRL pads prompts
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-CUT = ("truncated", "max_length")  # an episode's ends that are a cut (gptforge.model.rollout.trajectory)
+CUT = ("truncated", "max_length")  # an episode's ends that are a cut (gptforge.model.agents.trajectory)
 
 
 def cut(seqs: torch.Tensor, mask: torch.Tensor, P: int, stops: set[int], episodes=None) -> torch.Tensor:

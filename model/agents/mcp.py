@@ -4,7 +4,7 @@ over streamable HTTP).
 
 A server's tools are listed with their JSON schemas, which the chat template renders like gptforge's own tools, and
 each becomes a tool of the rollouts: called under `preference.tool_timeout_s` and `preference.tool_concurrency`
-(its calls are `async def`, awaited on the rollout process's event loop, gptforge.model.rollout.concurrency), its
+(its calls are `async def`, awaited on the rollout process's event loop, gptforge.model.agents.concurrency), its
 error (the server's `is_error` result, a protocol error, a timeout) the message the model reads.
 
 A stdio server is one a rollout process (the training process in sync mode, each rollout worker in async mode),
@@ -27,7 +27,7 @@ from contextlib import AsyncExitStack
 
 from gptforge.core.errors import ConfigError
 from gptforge.core.extras import require
-from gptforge.model.rollout.concurrency import event_loop
+from gptforge.model.agents.concurrency import event_loop
 
 KEY = "preference.tools"
 CONNECT_S = 30.0

@@ -3,7 +3,7 @@ gptforge's episodes: `preference.environment: verifiers:<id>` with `data.prompts
 prompts, every 20th held out; gptforge.core.procedural).
 
 The environment's own harness drives each episode, as verifiers runs it anywhere: it reaches the model through an
-OpenAI-compatible client, here the policy behind gptforge's endpoint (gptforge.model.rollout.endpoint), one session
+OpenAI-compatible client, here the policy behind gptforge's endpoint (gptforge.model.agents.endpoint), one session
 an episode, so that the ids trained are the ids sampled across its turns. A batch's episodes run at once on the
 rollout process's event loop (up to `preference.tool_concurrency`), while the process samples the turns they ask for
 in batches. The episode's reward is verifiers' total (`trace.reward`: its rubric's rewards and judges, weighed), the
@@ -18,8 +18,8 @@ import os
 
 from gptforge.core.errors import ConfigError, UserError
 from gptforge.data.procedural import load_verifiers
-from gptforge.model.rollout.concurrency import event_loop
-from gptforge.model.rollout.endpoint import Endpoint
+from gptforge.model.agents.concurrency import event_loop
+from gptforge.model.agents.endpoint import Endpoint
 
 KEY = "preference.environment"
 KEY_VAR = "GPTFORGE_ENDPOINT_KEY"  # verifiers reads the endpoint's key from a variable
@@ -52,7 +52,7 @@ class Driver:
         """One episode a prompt row (its `verifiers_task`), its Episode token-exact, its toolbox the trace's."""
         import verifiers.v1 as vf
 
-        from gptforge.model.rollout.trajectory import Finished
+        from gptforge.model.agents.trajectory import Finished
 
         endpoint = self.serving(tokenizer, fmt, max_turns, max_length, stop_ids)
         os.environ[KEY_VAR] = endpoint.key  # the run's key: the harness's client sends it with every request

@@ -1,7 +1,7 @@
 """Multi-turn episodes, token-exact.
 
-The policy samples a turn; its tool calls are parsed in the model's format (gptforge.model.rollout.calls) and run
-(gptforge.model.rollout.tools); the results are appended as the chat template renders a tool turn, with the next
+The policy samples a turn; its tool calls are parsed in the model's format (gptforge.model.agents.calls) and run
+(gptforge.model.agents.tools); the results are appended as the chat template renders a tool turn, with the next
 generation prompt; and the policy samples again, until a turn calls no tool, or `max_turns` turns, or the length
 budget. The sequence trained is the prompt's ids, then each turn's ids exactly as sampled, then the template's
 tokens between turns: nothing the policy sampled is decoded and tokenized again (the bug the peers' users report
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptforge.core.errors import UserError
-from gptforge.model.rollout.calls import parse
-from gptforge.model.rollout.concurrency import SEQUENTIAL, Concurrent
-from gptforge.model.rollout.tools import Call, Setup, Toolbox
-from gptforge.model.rollout.trajectory import Episode, Finished, Sampler, between_turns, render  # noqa: F401
+from gptforge.model.agents.calls import parse
+from gptforge.model.agents.concurrency import SEQUENTIAL, Concurrent
+from gptforge.model.agents.tools import Call, Setup, Toolbox
+from gptforge.model.agents.trajectory import Episode, Finished, Sampler, between_turns, render  # noqa: F401
 
 @dataclass
 class Agent:
     """What an online stage and its evaluation roll out with: the environment and tools, the policy's call format
-    (gptforge.model.rollout.calls.format_of), and the turn and length budgets of an episode."""
+    (gptforge.model.agents.calls.format_of), and the turn and length budgets of an episode."""
 
     setup: Setup
     fmt: str

@@ -3,7 +3,7 @@ next batches while the trainer trains (async).
 
 `preference.rollout.mode: sync` (the default) is the loop every online stage always had: each process samples its
 batch with its own module, between updates. `async` moves sampling onto `workers` processes, each a Ray actor
-holding an engine (gptforge.model.rollout.engine) and, with tools, the environments.
+holding an engine (gptforge.model.sampling.engine) and, with tools, the environments.
 
 Why Ray actors, and not more ranks of the launcher: a rollout worker is not part of the training's process group
 (no collective of the trainer waits on it, ZeRO never partitions its weights), it holds its own devices (an
@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 
 from gptforge.core.errors import UserError
-from gptforge.model.rollout.engine import HFEngine, engine_class
-from gptforge.model.rollout.episode import Agent, spec_agent
-from gptforge.model.rollout.sampling import Rollouts, sample
+from gptforge.model.sampling.engine import HFEngine, engine_class
+from gptforge.model.agents.episode import Agent, spec_agent
+from gptforge.model.sampling.sampling import Rollouts, sample
 
 BUCKET_BYTES = 64 << 20  # weights sent to the workers per object
 
@@ -107,7 +107,7 @@ class RolloutWorker:
 
         from transformers import AutoTokenizer
 
-        from gptforge.model.rollout.generate import stop_ids
+        from gptforge.model.sampling.generate import stop_ids
 
         os.chdir(cwd)  # the user's engine, environment and tools import from the stage's working folder
         if cwd not in sys.path:

@@ -4,7 +4,7 @@ the user's functions or a reward server) on the online prompts (data.prompts), w
 chosen responses' loss), sequence parallelism where set, our metrics, checkpoints, guard and resume. The two
 algorithms differ only in their advantage (the group's mean against the leave-one-out mean), which is TRL's; each
 stage names its trainer and its own arguments. With tools (preference.environment, preference.tools), the
-rollouts of both are episodes of gptforge.model.rollout (its `online` module).
+rollouts of both are episodes of gptforge.model.agents (through `online`).
 """
 
 from __future__ import annotations
@@ -17,22 +17,23 @@ from gptforge.core.declarations import Stage
 from gptforge.data import splits
 from gptforge.data.chat import ChosenRows
 from gptforge.model import rewards
-from gptforge.model.rollout.generate import policy_and_judge
+from gptforge.model.sampling.generate import policy_and_judge
 from gptforge.model.export import export_trainer
 from gptforge.model.pretrained import load_policy, reference_dir
-from gptforge.model.rollout import dynamic
-from gptforge.model.rollout.calls import format_of
-from gptforge.model.rollout.online import rollout_trainer
-from gptforge.model.rollout.episode import agent_spec
-from gptforge.model.rollout.tools import Setup
-from gptforge.model.rollout.workers import GenerationOrder, Timeline, Workers, step_spans, trainer_callback
-from gptforge.model.train import sequence_parallel
+from gptforge.model.trainers import dynamic
+from gptforge.model.agents.calls import format_of
+from gptforge.model.trainers.online import rollout_trainer
+from gptforge.model.agents.episode import agent_spec
+from gptforge.model.agents.tools import Setup
+from gptforge.model.sampling.workers import GenerationOrder, Timeline, Workers, step_spans, trainer_callback
+from gptforge.model.trainers import sequence_parallel
+from gptforge.model.trainers.ptx import with_ptx
 from gptforge.model.train.checkpoints import no_pickled_code
 from gptforge.model.train.distributed import barrier, setup_distributed
 from gptforge.model.train.engine import uses_bf16
 from gptforge.model.train.hf_trainer import (Checkpoints, TrainerGuard, TrainerMetrics, our_console,
                                              positions_from_mask, prompts_dataset, resume_point, trainer_kwargs,
-                                             use_reference, with_ptx)
+                                             use_reference)
 
 
 def arguments(cfg: PipelineConfig, decl: Stage, out_dir: Path, reward_weights: list[float],
@@ -56,7 +57,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     stage, trainer = decl.name, decl.trainer
     pc, oc, dist = cfg.preference, getattr(cfg.preference, stage), cfg.distributed
     # rollout workers (a CPU node leaves each a core): async, or an engine other than hf, which runs in a worker at
-    # staleness 0 in sync mode, as PPO's and distill's do (gptforge.model.rollout.workers.rollout_source)
+    # staleness 0 in sync mode, as PPO's and distill's do (gptforge.model.sampling.workers.rollout_source)
     apart = pc.rollout.mode == "async" or pc.rollout.engine != "hf"
     rank, world, device = setup_distributed(cfg.distributed, reserve=pc.rollout.workers if apart else 0)
     trl = importlib.import_module("trl")  # after setup_distributed, whose environment spares TRL's import of MLflow
@@ -66,7 +67,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     tools = bool(pc.environment or pc.tools)
     fmt = format_of(tokenizer.chat_template, str(sft_dir)) if tools else None
     corrected = pc.rollout.correction != "none" or pc.rollout.max_mismatch is not None
-    if tools or apart or corrected:  # episodes, rollouts from workers, their log-probabilities (gptforge.model.rollout)
+    if tools or apart or corrected:  # episodes, workers' rollouts, their log-probabilities
         agent = Setup.of(pc) if tools else None
         trainer_cls = rollout_trainer(trainer_cls, trainer, pc, oc, out_dir / "rollouts", agent, fmt)
     # zero-advantage groups logged, and replaced where preference.<stage>.dynamic_sampling
@@ -90,7 +91,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
     if trainer.ref_model is not None:  # a DeepSpeed engine by now: hook the module it runs
         positions_from_mask(getattr(trainer.ref_model, "module", trainer.ref_model))
     source = None
-    if apart:  # rollout workers sample the generation batches (ahead, in async mode: gptforge.model.rollout.workers)
+    if apart:  # rollout workers sample the generation batches (ahead, in async mode: gptforge.model.sampling.workers)
         spec = agent_spec(pc, fmt, pc.max_length) if tools else None
         order = GenerationOrder(len(prompts), args.per_device_train_batch_size * args.steps_per_generation,
                                 oc.num_generations, rank, world, cfg.run.seed)
@@ -100,7 +101,7 @@ def train(cfg: PipelineConfig, inputs: dict[str, Path], out_dir: Path, decl: Sta
                          pc.rollout.max_staleness if pc.rollout.mode == "async" else 0)
         trainer.attach(source, order)
         resume_rollouts = trainer_callback(trainer, source, order, policy, out_dir)
-    else:  # each step's span beside async's (gptforge.model.rollout.workers.Timeline)
+    else:  # each step's span beside async's (gptforge.model.sampling.workers.Timeline)
         trainer.add_callback(step_spans(Timeline(out_dir / "logs", rank))())
     try:
         with no_pickled_code():

@@ -1,6 +1,6 @@
 """An episode's trajectory, as the rollout room and the policy's endpoint build it: the ids after the prompt (each
 turn as sampled, the template's tokens between turns), the policy's mask and log-probabilities, the messages; and
-the template's rendering of what comes between turns (gptforge.model.rollout.episode explains why)."""
+the template's rendering of what comes between turns (gptforge.model.agents.episode explains why)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # after the prompt: the turns and the tokens between them
     mask: list[int] = field(default_factory=list)  # 1 on the tokens the policy sampled
     logprobs: list[float] = field(default_factory=list)  # each token's log-probability when sampled (0 off the mask)
-    toolbox: object = None  # the episode's Toolbox (gptforge.model.rollout.tools), or Finished
+    toolbox: object = None  # the episode's Toolbox (gptforge.model.agents.tools), or Finished
     turns: int = 0
     ended: str = ""  # answer (a turn without calls), environment (it is done), max_turns, max_length, or truncated
 
@@ -32,7 +32,7 @@ class Episode:
         return "" if last is None else last["content"]
 
     @property
-    def calls(self) -> list:  # the Calls of gptforge.model.rollout.tools
+    def calls(self) -> list:  # the Calls of gptforge.model.agents.tools
         return [] if self.toolbox is None else [c for c in self.toolbox.calls if c.name != "get_reward"]
 
     @property
@@ -41,7 +41,7 @@ class Episode:
 
     def finished(self) -> Episode:
         """The episode without its live environment, to travel between processes: its calls and its environment's
-        `get_reward()`, taken now, kept (gptforge.model.rollout.workers)."""
+        `get_reward()`, taken now, kept (gptforge.model.sampling.workers)."""
         box = self.toolbox
         kept = None if box is None else Finished(list(box.calls), box.reward(), box.schemas)
         return Episode(self.messages, self.prompt_ids, self.ids, self.mask, self.logprobs, kept, self.turns, self.ended)

@@ -10,7 +10,7 @@ connection), `reset`s with the prompt row's columns (the server takes those its 
   JSON schema, as the chat template renders tools), whose result is the observation.
 The episode's reward (`get_reward()`, the reward `{name: environment}`) is the sum of the rewards of its steps. The
 client's calls are `async def`, awaited on the rollout process's event loop under `preference.tool_timeout_s`
-(gptforge.model.rollout.concurrency), one session an episode, as many at once as `preference.tool_concurrency` and
+(gptforge.model.agents.concurrency), one session an episode, as many at once as `preference.tool_concurrency` and
 the server's `max_concurrent_envs` allow. The session ends when the environment is done, else when the episode's
 environment is released.
 
@@ -30,7 +30,7 @@ import urllib.request
 from gptforge.core.errors import ConfigError, UserError
 from gptforge.core.extras import require
 from gptforge.model.rewards import user_function
-from gptforge.model.rollout.concurrency import event_loop
+from gptforge.model.agents.concurrency import event_loop
 
 KEY = "preference.environment"
 OBSERVATION_SET = {"done", "reward", "metadata"}  # what every observation has beside its own fields

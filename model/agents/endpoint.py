@@ -3,7 +3,7 @@ reaches the model as it reaches any (verifiers' harnesses; most agent harnesses)
 `/v1/completions` on 127.0.0.1 (a free port unless given), served by the rollout process (the training process in
 sync mode, a rollout worker in async mode) for the policy's current weights, as long as a batch's episodes run.
 
-Token-exact, as gptforge's own episodes are (gptforge.model.rollout.episode): each episode is a session, its address
+Token-exact, as gptforge's own episodes are (gptforge.model.agents.episode): each episode is a session, its address
 `/s/<session>/v1`. Its first request's conversation is rendered by the chat template with the generation prompt;
 each later one must extend the conversation so far (the policy's turns as the endpoint answered them, whatever the
 harness echoes back), and only what it adds (tool results, a user turn) is tokenized, as the tokens between turns;
@@ -25,7 +25,7 @@ session. A sampler that fails answers every request of its batch (500, its error
 rollout process; a request that waits past `wait_s` for its turn is answered 503. The endpoint binds to 127.0.0.1
 unless told otherwise (`preference.endpoint_host`), which is warned about.
 
-On a GPU, vLLM's own server takes this one's place behind the same seam (the engine, gptforge.model.rollout.engine).
+On a GPU, vLLM's own server takes this one's place behind the same seam (the engine, gptforge.model.sampling.engine).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from gptforge.model.rollout.calls import parse
-from gptforge.model.rollout.trajectory import Episode, Sampler, between_turns
+from gptforge.model.agents.calls import parse
+from gptforge.model.agents.trajectory import Episode, Sampler, between_turns
 
 PATH = re.compile(r"^/s/(?P<session>[\w-]+)/v1/(?P<kind>chat/completions|completions|models)$")
 

@@ -1,8 +1,8 @@
-"""A step's rollouts, sampled through an engine (gptforge.model.rollout.engine) the same way wherever it runs: in the
-training process (sync) or in a rollout worker (async, gptforge.model.rollout.workers).
+"""A step's rollouts, sampled through an engine (gptforge.model.sampling.engine) the same way wherever it runs: in the
+training process (sync) or in a rollout worker (async, gptforge.model.sampling.workers).
 
 A prompt without tools is one turn of at most `max_new_tokens`; with tools (an `Agent`), one episode of
-gptforge.model.rollout.episode. Either way the step gets PPO's layout (the sequences, attention, the policy's mask,
+gptforge.model.agents.episode. Either way the step gets PPO's layout (the sequences, attention, the policy's mask,
 the prompt length), the log-probability of each sampled token, the episodes where there are tools, and the weight
 version that sampled them.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptforge.data.chat import prompt_ids
-from gptforge.model.rollout.episode import Agent, Episode, rollouts, sampled_logprobs, tensors
+from gptforge.model.agents.episode import Agent, Episode, rollouts, sampled_logprobs, tensors
 
 
 @dataclass
@@ -52,8 +52,8 @@ class Rollouts:
 
     @classmethod
     def from_state(cls, state: dict) -> Rollouts:
-        from gptforge.model.rollout.trajectory import Finished
-        from gptforge.model.rollout.tools import Call
+        from gptforge.model.agents.trajectory import Finished
+        from gptforge.model.agents.tools import Call
 
         episodes = None
         if state["episodes"] is not None:

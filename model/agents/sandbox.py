@@ -22,7 +22,7 @@ What a program run here gets (`run`):
 
 What it does not guarantee: it is not a virtual machine. The kernel is the host's, so a kernel exploit escapes it;
 CPU time is limited per process (and memory too where no cgroup can be made), not shared fairly with training (the
-rollout workers' pinned cores bound that: gptforge.model.rollout.concurrency); side channels (timing,
+rollout workers' pinned cores bound that: gptforge.model.agents.concurrency); side channels (timing,
 /proc/cpuinfo-like facts through /usr) are not closed.
 """
 

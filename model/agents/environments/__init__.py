@@ -1,12 +1,12 @@
 """Environments written for other libraries, as gptforge's episodes: `preference.environment` names a factory of
-environments in TRL's conventions (`package.module:Factory`, gptforge.model.rollout.tools), or one of another
+environments in TRL's conventions (`package.module:Factory`, gptforge.model.agents.tools), or one of another
 library's, which an adapter here turns into such a factory, so that PPO, GRPO, RLOO, distill and their evaluation
 roll out through it unchanged (token-exact, concurrent, sync or async):
 
 - `openenv:package.module:EnvClient` (openenv-core, the `environments` extra): each episode a session of the
-  environment server at `preference.environment_url` (gptforge.model.rollout.environments.openenv);
+  environment server at `preference.environment_url` (gptforge.model.agents.environments.openenv);
 - `verifiers:<id>` (verifiers.v1): its harness drives each episode against the policy behind an OpenAI-compatible
-  endpoint (gptforge.model.rollout.environments.verifiers, gptforge.model.rollout.endpoint): a `driver` of whole
+  endpoint (gptforge.model.agents.environments.verifiers, gptforge.model.agents.endpoint): a `driver` of whole
   episodes rather than a factory of environments.
 
 Procedural task libraries are sources of prompts instead (`data.prompts: reasoning_gym:<dataset>`,
@@ -25,8 +25,8 @@ from gptforge.model.rewards import user_function
 KEY = "preference.environment"
 # Each environment adapter's module here, by its declared name: a `factory(spec, url, timeout_s)` of environments,
 # or, for one whose harness drives whole episodes (`drives`), a `Driver(spec, concurrency, endpoint)`.
-IMPLEMENTED = {"openenv": "gptforge.model.rollout.environments.openenv",
-               "verifiers": "gptforge.model.rollout.environments.verifiers"}
+IMPLEMENTED = {"openenv": "gptforge.model.agents.environments.openenv",
+               "verifiers": "gptforge.model.agents.environments.verifiers"}
 
 
 def factory(spec: str | None, url: str | None, timeout_s: float) -> Callable | None:

@@ -50,7 +50,7 @@ class Turn(list):
 
 
 def id_sampler(model, pad_id: int, max_new_tokens: int, synced: bool = False, logprobs: bool = False, **sampling):
-    """sample(sequences, budgets) for gptforge.model.rollout.episode: token id sequences, left-padded, through
+    """sample(sequences, budgets) for gptforge.model.agents.episode: token id sequences, left-padded, through
     `model.generate` with the KV cache; each continuation cut after its first stop token, at most its budget and
     `max_new_tokens` long. One generate call samples as many tokens for every row, so the rows whose budget is
     below the batch's (the context nearly full) are sampled in calls of their own, each at most its rows' budget:

@@ -2,7 +2,7 @@
 
 An engine samples continuations of token ids, keeping the log-probability each sampled token had, and (where it
 can) takes new weights by name. Everything above it is the engine's caller's: the chat template, the episodes and
-their tools (gptforge.model.rollout.episode), the batches and their versions (gptforge.model.rollout.workers), the
+their tools (gptforge.model.agents.episode), the batches and their versions (gptforge.model.sampling.workers), the
 rewards and the loss. So an inference server plugs in by implementing three things:
 
     class MyEngine:
@@ -21,7 +21,7 @@ policy's Hugging Face model, is built in and runs on the CPU. A vLLM engine is t
 (docs/rollouts.md).
 
 A teacher scores through the same seam (`distill.teacher_engine`): `score` takes a batch of rollouts in their
-layout (gptforge.model.rollout.sampling.Rollouts: prompts left-padded to P, responses after them) and returns, for
+layout (gptforge.model.sampling.sampling.Rollouts: prompts left-padded to P, responses after them) and returns, for
 each response token, the teacher's log-probability of it and its distribution there: whole, or its `top_k` most
 likely tokens, which is what a served teacher returns (vLLM: `prompt_logprobs=top_k` on the whole sequence).
 
@@ -42,7 +42,7 @@ import torch
 
 from gptforge.core.errors import UserError
 from gptforge.data.chat import positions
-from gptforge.model.rollout.generate import Turn, id_sampler
+from gptforge.model.sampling.generate import Turn, id_sampler
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Scores:
 class HFEngine:
     """transformers' `generate` with the KV cache over a causal LM (the training process's own module in sync mode,
     a rollout worker's copy in async mode). Rows are left-padded and sampled together; a row whose length budget
-    is below the batch's is sampled in a call of its own (gptforge.model.rollout.generate.id_sampler), and `synced`
+    is below the batch's is sampled in a call of its own (gptforge.model.sampling.generate.id_sampler), and `synced`
     keeps the ranks of a ZeRO-3 model in step."""
 
     loads_weights = True
@@ -119,7 +119,7 @@ def engine_class(spec: str, key: str = "preference.rollout.engine", needs: tuple
                         "package.module:Class") from None
     for method in needs:
         if not callable(getattr(cls, method, None)):
-            raise UserError(f"{key}={spec}: it has no {method}() (gptforge.model.rollout.engine says what an engine "
+            raise UserError(f"{key}={spec}: it has no {method}() (gptforge.model.sampling.engine says what an engine "
                             "implements)")
     return cls
 
