@@ -17,21 +17,24 @@ HINT = {"type": "function", "function": {"name": "hint", "description": "Get a h
 TOOLS = [HINT]  # the harness's tools
 
 
-class GuessData(vf.TaskData):
+class AnswerData(vf.TaskData):
     answer: str
 
 
-class GuessTask(vf.Task[GuessData]):
+class AnswerTask(vf.Task[AnswerData]):
+    """A task whose answer is a number: exact match of the last number of the last reply (the agentic bench's
+    `add` environment's too)."""
+
     @vf.reward
-    async def exact_match(self, task: GuessData, trace: vf.Trace) -> float:
+    async def exact_match(self, task: AnswerData, trace: vf.Trace) -> float:
         found = re.findall(r"\d+", trace.last_reply or "")
         return float(bool(found) and found[-1] == task.answer)
 
 
-class GuessTaskset(vf.Taskset[GuessTask, vf.TasksetConfig]):
+class GuessTaskset(vf.Taskset[AnswerTask, vf.TasksetConfig]):
     def load(self):
         for i, secret in enumerate(SECRETS):
-            yield GuessTask(GuessData(id=f"guess-{i}", answer=str(secret),
+            yield AnswerTask(AnswerData(id=f"guess-{i}", answer=str(secret),
                                       prompt=f"Guess my number ({i}), from 1 to 9."), self.config.task)
 
 

@@ -215,7 +215,7 @@ import re
 
 import verifiers.v1 as vf
 from verifiers.v1.runtimes import SubprocessConfig
-from verifiers_game import ToolLoop  # (copied beside it: the tests' verifiers environment)
+from verifiers_game import AnswerData, AnswerTask, ToolLoop  # (copied beside it: the tests' verifiers game)
 
 __all__ = ["AddTaskset", "AddHarness", "AddEnv"]
 PAIRS = [(10 + 7 * i % 89, 11 + 13 * i % 87) for i in range(40)]
@@ -234,21 +234,10 @@ def total(arguments) -> str:
         return "error: add takes a and b"
 
 
-class AddData(vf.TaskData):
-    answer: str
-
-
-class AddTask(vf.Task[AddData]):
-    @vf.reward
-    async def exact_match(self, task: AddData, trace: vf.Trace) -> float:
-        found = re.findall(r"\\d+", trace.last_reply or "")
-        return float(bool(found) and found[-1] == task.answer)
-
-
-class AddTaskset(vf.Taskset[AddTask, vf.TasksetConfig]):
+class AddTaskset(vf.Taskset[AnswerTask, vf.TasksetConfig]):
     def load(self):
         for i, (a, b) in enumerate(PAIRS):
-            yield AddTask(AddData(id=f"add-{i}", answer=str(a + b), prompt=f"What is {a} plus {b}?"),
+            yield AnswerTask(AnswerData(id=f"add-{i}", answer=str(a + b), prompt=f"What is {a} plus {b}?"),
                           self.config.task)
 
 
