@@ -84,11 +84,13 @@ class GuessHarness(ToolLoop):
         return "odd"
 
 
-class GuessConfig(vf.EnvConfig):
+class ChatConfig(vf.EnvConfig):
+    """One agent in a subprocess runtime, up to 10 turns (the agentic bench's `add` environment's too)."""
+
     agent: vf.AgentConfig = vf.AgentConfig(runtime=SubprocessConfig(), max_turns=10)
 
 
-class GuessEnv(vf.Env[GuessConfig]):
+class GuessEnv(vf.Env[ChatConfig]):
     async def run(self, task, agents):
         async with agents.agent.interaction(task) as chat:
             turn = await chat.turn()

@@ -214,8 +214,7 @@ import json
 import re
 
 import verifiers.v1 as vf
-from verifiers.v1.runtimes import SubprocessConfig
-from verifiers_game import AnswerData, AnswerTask, ToolLoop  # (copied beside it: the tests' verifiers game)
+from verifiers_game import AnswerData, AnswerTask, ChatConfig, ToolLoop  # (copied beside it)
 
 __all__ = ["AddTaskset", "AddHarness", "AddEnv"]
 PAIRS = [(10 + 7 * i % 89, 11 + 13 * i % 87) for i in range(40)]
@@ -248,11 +247,7 @@ class AddHarness(ToolLoop):
         return total(arguments)
 
 
-class AddConfig(vf.EnvConfig):
-    agent: vf.AgentConfig = vf.AgentConfig(runtime=SubprocessConfig(), max_turns=10)
-
-
-class AddEnv(vf.Env[AddConfig]):
+class AddEnv(vf.Env[ChatConfig]):
     async def run(self, task, agents):
         async with agents.agent.interaction(task) as chat:
             turn = await chat.turn()
