@@ -302,17 +302,18 @@ def cgroups_of(uid: int, limits: Limits) -> list[Path]:
     of all its processes (`memory_mb`, no swap), their number (`processes`), this process's cores and one
     process's CPU weight, however many it forks."""
     memory, cores = str(limits.memory_mb << 20), ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    limit = {"memory.limit_in_bytes": memory, "memory.memsw.limit_in_bytes": memory, "memory.max": memory,
-             "memory.swap.max": "0", "pids.max": str(limits.processes), "cpuset.cpus": cores, "cpu.shares": "1024",
-             "cpu.weight": "100"}
+    limit = [("memory.memsw.limit_in_bytes", "-1"),  # (v1 holds memory+swap >= memory: lift it, set both in turn)
+             ("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory), ("memory.max", memory),
+             ("memory.swap.max", "0"), ("pids.max", str(limits.processes)), ("cpuset.cpus", cores),
+             ("cpu.shares", "1024"), ("cpu.weight", "100")]
     out = []
     try:
         for parent in hierarchies():
             group = parent / str(uid)
-            group.mkdir(exist_ok=True)
+            group.mkdir(exist_ok=True)  # (one an earlier call of the uid left, empty: settle waited for that)
             if (group / "cpuset.mems").exists() and (parent / "cpuset.mems").exists():
                 (group / "cpuset.mems").write_text((parent / "cpuset.mems").read_text())
-            for name, value in limit.items():
+            for name, value in limit:
                 if (group / name).exists():
                     (group / name).write_text(value)
             out.append(group)
