@@ -64,7 +64,12 @@ class Reward:
     needs_answers: bool = False  # whether it compares responses with reference answers
 
     def __call__(self, prompts: list, responses: list[str], answers: list, columns: dict | None = None) -> list[float]:
-        values = self.fn(prompts, responses, answers, **(columns or {}))
+        try:
+            values = self.fn(prompts, responses, answers, **(columns or {}))
+        except (UserError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a user's function (or a check) that raises: one line naming it, not a traceback
+            raise UserError(f"{self.key} ({self.label}) raised {type(e).__name__}: {e}") from e
         return checked(values, len(responses), f"{self.key} ({self.label})")
 
 

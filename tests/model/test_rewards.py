@@ -57,9 +57,12 @@ def test_a_users_function_gets_every_column_and_is_checked(tmp_path, monkeypatch
         "def short(prompts, responses, answers, **row):\n"
         "    return [1.0]\n"
         "def nan(prompts, responses, answers, **row):\n"
-        "    return [0.0, float('nan')]\n")
+        "    return [0.0, float('nan')]\n"
+        "def crash(prompts, responses, answers, **row):\n"
+        "    raise RuntimeError('the grader crashed')\n")
     monkeypatch.chdir(tmp_path)  # importable from the working folder
-    fn, short, nan = built({"name": "my_checks:by_id"}, {"name": "my_checks:short"}, {"name": "my_checks:nan"})
+    fn, short, nan, crash = built({"name": "my_checks:by_id"}, {"name": "my_checks:short"}, {"name": "my_checks:nan"},
+                                  {"name": "my_checks:crash"})
     assert fn.label == "by_id"
     assert fn(None, ["3", "5"], [None, None], {"id": [3, 4]}) == [1.0, 0.0]
     with pytest.raises(UserError, match=r"preference.rewards\[1\] \(short\) returned 1 rewards for 2 responses"):
@@ -67,6 +70,8 @@ def test_a_users_function_gets_every_column_and_is_checked(tmp_path, monkeypatch
     with pytest.raises(UserError, match=r"preference.rewards\[2\] \(nan\) returned a non-finite reward \(nan\) at "
                                         r"index 1"):
         nan(None, ["a", "b"], [None, None])
+    with pytest.raises(UserError, match=r"^preference.rewards\[3\] \(crash\) raised RuntimeError: the grader crashed$"):
+        crash(None, ["a"], [None])  # one line naming the entry, not a traceback
     with pytest.raises(UserError, match=r"preference.rewards\[0\]: cannot import module 'no_such_module' for "
                                         r"'no_such_module:f'"):
         built({"name": "no_such_module:f"})
