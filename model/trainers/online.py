@@ -32,11 +32,6 @@ from gptforge.model.agents.episode import Episode, environment_rewards, rollouts
 from gptforge.model.agents.tools import Setup
 
 
-def agent_trainer(trainer_cls, trainer: str, agent: Setup, fmt: str, pc, oc, folder: Path):
-    """`trainer_cls` rolling out with `agent`'s tools in its own processes (`rollout_trainer`)."""
-    return rollout_trainer(trainer_cls, trainer, pc, oc, folder, agent, fmt)
-
-
 def rollout_trainer(trainer_cls, trainer: str, pc, oc, folder: Path, agent: Setup | None = None,
                     fmt: str | None = None):
     """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer, or a subclass; `trainer` the stage's declared "GRPO" or

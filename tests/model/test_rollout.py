@@ -244,8 +244,8 @@ def test_trls_trainers_train_the_sampled_ids_of_a_three_turn_episode_with_the_to
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=4096, eos_token_id=eot, pad_token_id=tok.pad_token_id))
     pc = PreferenceSection(max_turns=3, max_length=4096, log_every=1)
-    cls = online.agent_trainer(getattr(trl, f"{algorithm}Trainer"), algorithm, Setup(Ledger, [], 5), "hermes", pc,
-                               pc.grpo, tmp_path / "rollouts")
+    cls = online.rollout_trainer(getattr(trl, f"{algorithm}Trainer"), algorithm, pc, pc.grpo, tmp_path / "rollouts",
+                                 Setup(Ledger, [], 5), "hermes")
     args = getattr(trl, f"{algorithm}Config")(output_dir=str(tmp_path / "out"), use_cpu=True,
                                               per_device_train_batch_size=2, num_generations=2,
                                               max_completion_length=64, report_to=[], beta=0.0, logging_steps=1)
