@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from gptforge.core.errors import ConfigError
 from gptforge.core.extras import require
 
-from gptforge.core.declarations import ADAPTERS
+from gptforge.core.declarations import ADAPTERS, adapter_of
 
 GYM, VERIFIERS = ADAPTERS["reasoning_gym"], ADAPTERS["verifiers"]  # the adapters whose prompt sources are here
 PREFIX, TASKS = GYM.prefix, VERIFIERS.prefix
@@ -27,11 +27,11 @@ TASK = "verifiers_task"  # the rows' column naming the task the driver runs
 
 def is_procedural(path: str | None) -> bool:
     """A reasoning-gym dataset (the schema reads the name only: the library is the preflight's to ask)."""
-    return path is not None and path.startswith(PREFIX)
+    return adapter_of(path) is GYM
 
 
 def is_taskset(path: str | None) -> bool:
-    return path is not None and path.startswith(TASKS)
+    return adapter_of(path) is VERIFIERS
 
 
 def dataset_name(source) -> str:

@@ -57,14 +57,15 @@ def environment_tools(env) -> dict[str, Callable]:
 BUILT_IN = ("python",)  # the tools gptforge has: model-written code run in the sandbox
 
 
-def built_in(spec: str, sandbox: dict | None) -> Callable | None:
-    """A built-in tool by its name (`python`: gptforge.model.agents.sandbox), the host checked for the sandbox."""
+def built_in(spec: str, limits) -> Callable | None:
+    """A built-in tool by its name (`python`: gptforge.model.agents.sandbox, under `limits`, the preference.sandbox
+    section), the host checked for the sandbox."""
     if spec not in BUILT_IN:
         return None
     from gptforge.model.agents import sandbox as room
 
     room.require(f"preference.tools: {spec}")
-    return room.python_tool(room.Limits(**(sandbox or {})))
+    return room.python_tool(limits)
 
 
 @dataclass
@@ -97,16 +98,15 @@ class Setup:
     def load(cls, environment: str | None, tools: list[str], timeout_s: float, concurrency: int = 1,
              url: str | None = None, endpoint: tuple[str, int] = ("127.0.0.1", 0),
              sandbox: dict | None = None) -> Setup:
-        from gptforge.model.agents import environments
-
-        from gptforge.model.agents import mcp
+        from gptforge.core.config.training import SandboxSection
+        from gptforge.model.agents import environments, mcp
 
         factory = environments.factory(environment, url, timeout_s)
         functions, source = [], {}
-        cap = (sandbox or {}).get("output_bytes", 16_384)
+        limits = SandboxSection(**(sandbox or {}))  # its defaults where a caller gives none
         for spec in tools:
-            got = mcp.tools(spec, timeout_s, cap) if mcp.is_mcp(spec) else \
-                [built_in(spec, sandbox) or user_function(spec, "preference.tools")]
+            got = mcp.tools(spec, timeout_s, limits.output_bytes) if mcp.is_mcp(spec) else \
+                [built_in(spec, limits) or user_function(spec, "preference.tools")]
             for fn in got:  # one tool a name: a server's `python` must not stand in for the sandboxed one
                 name = schema(fn, "preference.tools")["function"]["name"]
                 if name in source:
